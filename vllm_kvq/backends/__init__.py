@@ -1,0 +1,1 @@
+"""vLLM-facing classes: the OSCAR attention backend and its KV-cache spec."""

@@ -1,0 +1,246 @@
+"""The OSCAR attention backend: vLLM-facing classes around the OSCAR kernels.
+
+Keys and queries are rotated by R_K after RoPE; values arrive already rotated
+by R_V (folded into ``qkv_proj`` and ``o_proj`` at load, see ``weights.py``),
+so the attention output needs no un-rotation. The page format is described in
+``vllm_kvq/kernels/oscar/format.py``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+    MultipleOf,
+)
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
+
+from vllm_kvq import settings as kvq_settings
+from vllm_kvq.artifacts.fingerprint import text_config
+from vllm_kvq.backends.kv_spec import OscarAttentionSpec
+from vllm_kvq.backends.resolve import resolve_artifact
+from vllm_kvq.kernels.oscar import reference
+from vllm_kvq.kernels.oscar.format import OscarFormat
+
+logger = init_logger("vllm." + __name__)
+
+BACKEND_NAME = "OSCAR"
+
+
+def page_format(head_size: int, block_size: int, s: kvq_settings.OscarSettings) -> OscarFormat:
+    return OscarFormat(
+        head_size=head_size, group_size=s.group_size, block_size=block_size, sink=s.sink, window=s.window
+    )
+
+
+class OscarBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
+
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type["OscarImpl"]:
+        return OscarImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["OscarMetadataBuilder"]:
+        return OscarMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True
+
+    @classmethod
+    def customize_spec(cls, spec):
+        """Declare the real bytes: C per token and head plus R state blocks."""
+        if not isinstance(spec, FullAttentionSpec) or isinstance(spec, SlidingWindowSpec):
+            return spec
+        fmt = page_format(spec.head_size, spec.block_size, kvq_settings.current())
+        return OscarAttentionSpec.from_spec(
+            spec,
+            dtype=torch.uint8,
+            state_content_bytes=fmt.bytes_per_token,
+            state_blocks=fmt.state_blocks,
+        )
+
+
+@dataclass
+class OscarMetadata:
+    num_actual_tokens: int
+    query_start_loc: list[int]
+    seq_lens: list[int]
+    block_table: torch.Tensor
+
+
+class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> OscarMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        return OscarMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
+            seq_lens=m.seq_lens[:n].cpu().tolist(),
+            block_table=m.block_table_tensor[:n],
+        )
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    match = _LAYER_INDEX.search(layer_name)
+    if match is None:
+        raise ValueError(f"OSCAR cannot find a layer index in {layer_name!r}")
+    return int(match.group(1))
+
+
+def local_kv_heads(num_local_kv_heads: int, total_kv_heads: int) -> list[int]:
+    """Global ids of this tensor-parallel rank's KV heads."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+    replicas = max(1, tp // total_kv_heads)
+    start = (rank // replicas) * num_local_kv_heads
+    return list(range(start, start + num_local_kv_heads))
+
+
+class OscarImpl(AttentionImpl):
+    """INT2 + BF16 sink/window attention (reference ops on any device)."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap=None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **extra) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            "sliding-window attention": sliding_window is not None,
+            "logit soft-capping": bool(logits_soft_cap),
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
+            "attention-sink logits": extra.get("sinks") is not None,
+        }
+        bad = [name for name, flag in unsupported.items() if flag]
+        if bad:
+            raise NotImplementedError(
+                f"The OSCAR backend does not support {', '.join(bad)}; serve this model "
+                "with another --attention-backend"
+            )
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        self.settings = kvq_settings.from_vllm_config(vllm_config)
+        self.hf_config = vllm_config.model_config.hf_config
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.artifact = resolve_artifact(self.settings, self.hf_config)
+        text = text_config(self.hf_config)
+        self.heads_per_kv = text.num_attention_heads // text.num_key_value_heads
+        self._layer: int | None = None
+        self._fmt: OscarFormat | None = None
+        self.k_rotation: torch.Tensor | None = None  # [H_local, D, D] fp32
+        self.v_absorbed = False  # set by the weight folding at load
+
+    # ------------------------------------------------------------- set-up
+    def bind_layer(self, layer_name: str) -> None:
+        """Pick this layer's rotations (local KV heads only)."""
+        idx = layer_index(layer_name)
+        if idx not in self.artifact.layers:
+            raise ValueError(
+                f"OSCAR artifact {self.artifact.source} has no rotation for layer {idx} ({layer_name})"
+            )
+        self._layer = idx
+        heads = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads)
+        self.k_rotation = self.artifact.rotation_for("k", idx, heads)
+        self.v_rotation = self.artifact.rotation_for("v", idx, heads)
+        self.k_clip = self.artifact.k_clip[idx]
+        self.v_clip = self.artifact.v_clip[idx]
+        self.k_identity = bool(torch.equal(self.k_rotation, torch.eye(self.head_size).expand_as(self.k_rotation)))
+        self.v_identity = bool(torch.equal(self.v_rotation, torch.eye(self.head_size).expand_as(self.v_rotation)))
+
+    def _format(self, kv_cache: torch.Tensor) -> OscarFormat:
+        block_size = kv_cache.shape[2]
+        if self._fmt is None or self._fmt.block_size != block_size:
+            self._fmt = page_format(self.head_size, block_size, self.settings)
+            if kv_cache.shape[3] != self._fmt.bytes_per_token:
+                raise RuntimeError(
+                    f"OSCAR page has {kv_cache.shape[3]} B per token, format expects "
+                    f"{self._fmt.bytes_per_token}; settings differ between processes"
+                )
+        return self._fmt
+
+    def _rotate(self, x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+        """``x [T, H*g, D] @ R[h]`` per KV head, in fp32."""
+        t = x.shape[0]
+        h = rotation.shape[0]
+        xg = x.float().view(t, h, -1, self.head_size)
+        return torch.einsum("thgd,hde->thge", xg, rotation.to(x.device)).reshape(t, -1, self.head_size)
+
+    # ------------------------------------------------------------ forward
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
+                output_scale=None, output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("OSCAR does not fuse output quantization")
+        if attn_metadata is None:
+            return output
+        if self._layer is None:
+            self.bind_layer(layer.layer_name)
+        if not self.v_identity and not self.v_absorbed:
+            raise RuntimeError(
+                f"OSCAR value rotation of {layer.layer_name} was not folded into the "
+                "weights at load; this model's loader is not supported"
+            )
+        fmt = self._format(kv_cache)
+        n = attn_metadata.num_actual_tokens
+        d = self.head_size
+        q = query[:n].view(n, self.num_heads, d)
+        k = key[:n].view(n, self.num_kv_heads, d)
+        v = value[:n].view(n, self.num_kv_heads, d)
+        if not self.k_identity:
+            q = self._rotate(q, self.k_rotation)
+            k = self._rotate(k, self.k_rotation)
+        out = output.view(-1, self.num_heads, d)
+        pages = reference.PageViews(kv_cache, fmt)
+        qsl, seq_lens = attn_metadata.query_start_loc, attn_metadata.seq_lens
+        for i, seq_len in enumerate(seq_lens):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            ctx = seq_len - (end - start)
+            res = reference.attend_and_write(
+                pages, fmt, attn_metadata.block_table[i], ctx,
+                q[start:end], k[start:end], v[start:end],
+                self.k_clip, self.v_clip, self.scale,
+            )
+            out[start:end] = res.to(out.dtype)
+        return output

@@ -1,0 +1,45 @@
+"""Start-up checks for ``--attention-backend OSCAR``: fail before any engine
+process starts, with a message that names the fix."""
+
+from __future__ import annotations
+
+from vllm.logger import init_logger
+
+from vllm_kvq import settings as kvq_settings
+from vllm_kvq.artifacts.fingerprint import head_dim, text_config
+from vllm_kvq.backends.oscar import page_format
+from vllm_kvq.backends.resolve import resolve_artifact
+
+logger = init_logger("vllm." + __name__)
+
+
+def check_oscar_config(vllm_config) -> None:
+    model_config = vllm_config.model_config
+    cache_config = vllm_config.cache_config
+    s = kvq_settings.from_vllm_config(vllm_config)
+    if model_config.use_mla:
+        raise ValueError("OSCAR does not support MLA models; drop --attention-backend OSCAR")
+    if model_config.is_hybrid:
+        raise ValueError(
+            "OSCAR does not support hybrid (Mamba/GDN) models yet; drop --attention-backend OSCAR"
+        )
+    if cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
+        raise ValueError(
+            f"OSCAR stores its own INT2 format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
+        )
+    artifact = resolve_artifact(s, model_config.hf_config)
+    fmt = page_format(head_dim(text_config(model_config.hf_config)), cache_config.block_size, s)
+    if cache_config.enable_prefix_caching:
+        logger.warning(
+            "OSCAR keeps each request's BF16 sink/window rows in its own state blocks, "
+            "which a prefix-cache hit cannot restore: prefix caching is disabled "
+            "(pass --no-enable-prefix-caching to silence this)."
+        )
+        cache_config.enable_prefix_caching = False
+    logger.info(
+        "OSCAR: rotation=%s (%s), group=%d, sink=%d, window=%d, %d B/token/head, "
+        "%d state blocks/request, %.3f bits/element at %d tokens",
+        s.rotation_mode, artifact.source, s.group_size, s.sink, s.window,
+        fmt.bytes_per_token, fmt.state_blocks, fmt.bits_per_element(model_config.max_model_len),
+        model_config.max_model_len,
+    )

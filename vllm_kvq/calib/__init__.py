@@ -1,0 +1,1 @@
+"""Offline statistics that become artifacts (see vllm_kvq.artifacts)."""

@@ -1,0 +1,1 @@
+"""Cache-format math: each op as a PyTorch reference (and, for CUDA, Triton)."""

@@ -1,0 +1,1 @@
+"""OSCAR INT2 KV pages: byte layout (format.py) and reference ops."""

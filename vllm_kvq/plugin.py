@@ -1,0 +1,114 @@
+"""Everything that touches vLLM's registries and internals (pinned: vLLM 0.32).
+
+``register()`` is the ``vllm.general_plugins`` entry point. vLLM calls it in
+every process it starts (API server or ``LLM``, engine core, workers), so it
+must be cheap and idempotent. A port to another vLLM version changes this file.
+"""
+
+from __future__ import annotations
+
+import functools
+
+BACKEND_CLASS = "vllm_kvq.backends.oscar.OscarBackend"
+_done = False
+
+
+def register() -> None:
+    global _done
+    if _done:
+        return
+    _done = True
+    _register_backend()
+    _register_kv_cache_spec()
+    _patch_platforms()
+    _patch_weight_loading()
+
+
+def restore_backend(name: str):
+    """Unpickling hook for the dynamic enum member (spawned/Ray processes
+    unpickle the config before they load plugins)."""
+    register()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    return AttentionBackendEnum[name]
+
+
+def _register_backend() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    from vllm_kvq.backends.oscar import BACKEND_NAME
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_CLASS)
+    member = AttentionBackendEnum[BACKEND_NAME]
+    member.__reduce_ex__ = lambda proto, _n=BACKEND_NAME: (restore_backend, (_n,))
+
+
+def _register_kv_cache_spec() -> None:
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_kvq.backends.kv_spec import OscarAttentionSpec, OscarKVCacheManager
+
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(OscarAttentionSpec, OscarKVCacheManager, OscarAttentionSpec)
+
+
+def is_oscar(vllm_config) -> bool:
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    return backend is not None and getattr(backend, "name", None) == "OSCAR"
+
+
+def _patch_platforms() -> None:
+    from vllm.platforms import current_platform
+
+    platform_cls = type(current_platform)
+    if getattr(platform_cls, "_kvq_patched", False):
+        return
+    platform_cls._kvq_patched = True
+
+    orig_check = platform_cls.check_and_update_config.__func__
+
+    @functools.wraps(orig_check)
+    def check_and_update_config(cls, vllm_config) -> None:
+        orig_check(cls, vllm_config)
+        if is_oscar(vllm_config):
+            from vllm_kvq.backends.startup import check_oscar_config
+
+            check_oscar_config(vllm_config)
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+    if platform_cls.__name__ == "CpuPlatform":
+        orig_get = platform_cls.get_attn_backend_cls.__func__
+
+        @functools.wraps(orig_get)
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+            # The CPU platform otherwise always answers CPU_ATTN.
+            if getattr(selected_backend, "name", None) == "OSCAR" and not attn_selector_config.use_mla:
+                reasons = selected_backend.get_class().validate_configuration(
+                    device_capability=None, **attn_selector_config._asdict()
+                )
+                if reasons:
+                    raise ValueError(f"OSCAR cannot serve this model: {', '.join(reasons)}")
+                return selected_backend.get_path()
+            return orig_get(cls, selected_backend, attn_selector_config, num_heads)
+
+        platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def _patch_weight_loading() -> None:
+    from vllm.model_executor.model_loader import base_loader
+
+    orig = base_loader.process_weights_after_loading
+    if getattr(orig, "_kvq", False):
+        return
+
+    @functools.wraps(orig)
+    def process_weights_after_loading(model, model_config, target_device):
+        from vllm_kvq.backends.weights import fold_value_rotations
+
+        fold_value_rotations(model)
+        return orig(model, model_config, target_device)
+
+    process_weights_after_loading._kvq = True
+    base_loader.process_weights_after_loading = process_weights_after_loading

@@ -1,0 +1,112 @@
+"""User settings, read from vLLM's ``additional_config["kvq"]``.
+
+``additional_config`` reaches every process vLLM starts, but some backend hooks
+(``customize_spec``) run without a config in context, so the first settings
+seen in a process are cached here and served to those hooks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+CONFIG_KEY = "kvq"
+ROTATION_MODES = ("artifact", "none", "hadamard")
+
+
+class SettingsError(ValueError):
+    """A bad ``--additional-config '{"kvq": ...}'`` value."""
+
+
+@dataclass(frozen=True)
+class OscarSettings:
+    """Every key of ``additional_config["kvq"]`` (see docs/configuration.md)."""
+
+    artifact: str | None = None
+    """Directory of a calibrated artifact (schema v1). Required for rotation
+    ``artifact``; with ``none``/``hadamard`` it may still supply clip ratios."""
+
+    rotation: str | None = None
+    """``artifact`` (the calibrated R_K/R_V), ``none`` (identity: naive INT2) or
+    ``hadamard`` (data-free Sylvester Hadamard). Default: ``artifact`` when an
+    artifact is given, else ``hadamard``."""
+
+    group_size: int = 128
+    """Elements sharing one fp16 (scale, min) pair; 128 or 64 for D=128."""
+
+    sink: int = 64
+    """First tokens of every sequence kept in BF16."""
+
+    window: int = 256
+    """Most recent tokens of every sequence kept in BF16."""
+
+    k_clip: float | None = None
+    """Per-token clip ratio for keys (1.0 = off). Default: the artifact's, else 1.0."""
+
+    v_clip: float | None = None
+    """Per-token clip ratio for values. Default: the artifact's, else 1.0."""
+
+    @property
+    def rotation_mode(self) -> str:
+        if self.rotation is not None:
+            return self.rotation
+        return "artifact" if self.artifact else "hadamard"
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> "OscarSettings":
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SettingsError(
+                f"unknown key(s) {unknown} in additional_config['{CONFIG_KEY}']; "
+                f"valid keys are {sorted(known)}"
+            )
+        s = cls(**raw)
+        s.validate()
+        return s
+
+    def validate(self) -> None:
+        if self.rotation is not None and self.rotation not in ROTATION_MODES:
+            raise SettingsError(
+                f"kvq.rotation must be one of {ROTATION_MODES}, got {self.rotation!r}"
+            )
+        if self.rotation_mode == "artifact" and not self.artifact:
+            raise SettingsError(
+                "kvq.rotation='artifact' needs kvq.artifact=<dir> "
+                "(make one with `vllm-kvq calibrate`), or use rotation 'hadamard'/'none'"
+            )
+        for name in ("group_size", "sink", "window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SettingsError(f"kvq.{name} must be a non-negative int, got {value!r}")
+        if self.group_size == 0 or self.window == 0:
+            raise SettingsError("kvq.group_size and kvq.window must be positive")
+        for name in ("k_clip", "v_clip"):
+            value = getattr(self, name)
+            if value is not None and not (0.0 < float(value) <= 1.0):
+                raise SettingsError(f"kvq.{name} must be in (0, 1], got {value!r}")
+
+
+_cached: OscarSettings | None = None
+
+
+def from_vllm_config(vllm_config) -> OscarSettings:
+    """Parse (and cache for this process) the settings of a VllmConfig."""
+    global _cached
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    _cached = OscarSettings.from_dict(extra.get(CONFIG_KEY))
+    return _cached
+
+
+def current() -> OscarSettings:
+    """Settings of this process: from the active vLLM config if there is one,
+    else the last ones seen."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None:
+        return from_vllm_config(cfg)
+    if _cached is None:
+        return OscarSettings()
+    return _cached
