@@ -80,8 +80,8 @@ class OscarSettings:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise SettingsError(f"kvq.{name} must be a non-negative int, got {value!r}")
-        if self.group_size == 0 or self.window == 0:
-            raise SettingsError("kvq.group_size and kvq.window must be positive")
+        if self.group_size == 0:
+            raise SettingsError("kvq.group_size must be positive")
         for name in ("k_clip", "v_clip"):
             value = getattr(self, name)
             if value is not None and not (0.0 < float(value) <= 1.0):

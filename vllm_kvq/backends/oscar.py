@@ -45,7 +45,7 @@ def page_format(head_size: int, block_size: int, s: kvq_settings.OscarSettings) 
 
 class OscarBackend(AttentionBackend):
     forward_includes_kv_cache_update: bool = True
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16]
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.bfloat16, torch.float16, torch.float32]
     supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "bfloat16", "float16"]
 
     @staticmethod

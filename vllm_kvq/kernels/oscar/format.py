@@ -61,10 +61,9 @@ class OscarFormat:
             raise ValueError(
                 f"group_size {g} must divide head_size {d} and be a multiple of 4"
             )
-        if self.sink < 0 or self.window < 1:
+        if self.sink < 0 or self.window < 0:
             raise ValueError(
-                f"sink must be >= 0 and window >= 1, got sink={self.sink} "
-                f"window={self.window}"
+                f"sink and window must be >= 0, got sink={self.sink} window={self.window}"
             )
         if self.state_rows_per_block < 1:
             raise ValueError(
@@ -136,7 +135,7 @@ class OscarFormat:
         """Slot of a BF16 row for a sequence position (sink or window)."""
         if position < self.sink:
             return position
-        return self.sink + (position - self.sink) % self.window
+        return self.sink + (position - self.sink) % max(self.window, 1)
 
     def bits_per_element(self, context_len: int) -> float:
         """Effective KV bits per element at a context length, state included."""

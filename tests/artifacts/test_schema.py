@@ -1,0 +1,92 @@
+"""Artifact schema v1: round trip, and each defect fails with its message."""
+
+import json
+
+import pytest
+import torch
+
+from vllm_kvq.artifacts import ArtifactError, OscarArtifact, builtin_artifact, hadamard
+
+FP = {
+    "architecture": "Qwen3ForCausalLM", "num_hidden_layers": 2, "hidden_size": 64,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+    "attention_layers": [0, 1],
+}
+
+
+def _random_orthogonal(*shape):
+    q, _ = torch.linalg.qr(torch.randn(*shape))
+    return q
+
+
+def _artifact(granularity="kv_head"):
+    shape = (2, 16, 16) if granularity == "kv_head" else (16, 16)
+    return OscarArtifact(
+        fingerprint=dict(FP), head_dim=16, num_kv_heads=2, layers=[0, 1], granularity=granularity,
+        k_rotation={i: _random_orthogonal(*shape) for i in (0, 1)},
+        v_rotation={i: _random_orthogonal(*shape) for i in (0, 1)},
+        k_clip={0: 0.96, 1: 0.9}, v_clip={0: 0.92, 1: 1.0},
+    )
+
+
+def test_round_trip(tmp_path):
+    art = _artifact()
+    art.save(tmp_path / "a")
+    back = OscarArtifact.load(tmp_path / "a", FP)
+    assert back.layers == [0, 1] and back.k_clip == {0: 0.96, 1: 0.9}
+    assert torch.equal(back.k_rotation[1], art.k_rotation[1].float())
+    assert back.rotation_for("v", 0, [1]).shape == (1, 16, 16)
+    assert not list(tmp_path.glob("a/*.pt")) and not list(tmp_path.glob("a/*.bin"))
+
+
+def test_hadamard_is_orthonormal():
+    h = hadamard(128)
+    assert torch.allclose(h @ h.T, torch.eye(128), atol=1e-6)
+    assert builtin_artifact(FP, "hadamard").granularity == "layer"
+
+
+def _save_and_edit(tmp_path, edit_manifest=None, edit_tensors=None):
+    art = _artifact()
+    if edit_tensors:
+        edit_tensors(art)
+    d = tmp_path / "bad"
+    # Write without validating, as a buggy tool would.
+    from safetensors.torch import save_file
+
+    d.mkdir()
+    tensors = {f"{k}_rotation.{i}": getattr(art, f"{k}_rotation")[i].float().contiguous()
+               for k in "kv" for i in art.layers if i in getattr(art, f"{k}_rotation")}
+    save_file(tensors, str(d / "tensors.safetensors"))
+    manifest = {"format": "vllm-kvq", "format_version": 1, "kind": "oscar", "model_fingerprint": dict(FP),
+                "head_dim": 16, "num_kv_heads": 2, "layers": [0, 1], "granularity": "kv_head",
+                "k_clip": {"0": 0.96, "1": 0.96}, "v_clip": {"0": 0.92, "1": 0.92}}
+    if edit_manifest:
+        edit_manifest(manifest)
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+@pytest.mark.parametrize("case,match", [
+    ("wrong_model", "different model.*num_hidden_layers"),
+    ("missing_layer", "missing layers \\[1\\]"),
+    ("missing_tensor", "missing tensor 'v_rotation.1'"),
+    ("wrong_shape", "has shape \\(2, 8, 8\\), expected \\(2, 16, 16\\)"),
+    ("not_orthogonal", "not orthogonal"),
+    ("nan", "NaN"),
+    ("version", "unknown format_version 99"),
+    ("clip", "k_clip\\[0\\] = 1.5"),
+])
+def test_each_defect_is_named(tmp_path, case, match):
+    edits = {
+        "wrong_model": dict(edit_manifest=lambda m: m["model_fingerprint"].update(num_hidden_layers=3)),
+        "missing_layer": dict(edit_manifest=lambda m: m.update(layers=[0])),
+        "missing_tensor": dict(edit_tensors=lambda a: a.v_rotation.pop(1)),
+        "wrong_shape": dict(edit_tensors=lambda a: a.k_rotation.update({0: _random_orthogonal(2, 8, 8)})),
+        "not_orthogonal": dict(edit_tensors=lambda a: a.k_rotation.update({0: torch.randn(2, 16, 16)})),
+        "nan": dict(edit_tensors=lambda a: a.v_rotation[0].__setitem__((0, 0, 0), float("nan"))),
+        "version": dict(edit_manifest=lambda m: m.update(format_version=99)),
+        "clip": dict(edit_manifest=lambda m: m["k_clip"].update({"0": 1.5})),
+    }[case]
+    d = _save_and_edit(tmp_path, **edits)
+    with pytest.raises(ArtifactError, match=match):
+        OscarArtifact.load(d, FP)
