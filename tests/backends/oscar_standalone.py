@@ -1,0 +1,71 @@
+"""A standalone PyTorch model of OSCAR attention, for comparison with vLLM.
+
+Written independently of ``vllm_kvq.kernels``: transformers runs the model,
+and a registered attention function applies the OSCAR math to the post-RoPE
+q/k/v of the whole sequence at once. Every query t reads key s in BF16 when
+``s < sink`` or ``t - s < window`` and as dequantized INT2 otherwise.
+"""
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+
+
+def naive_int2(rows: torch.Tensor, group: int, clip: float) -> torch.Tensor:
+    """Clip each row, then min-max INT2 per group with fp16 (scale, min)."""
+    d = rows.shape[-1]
+    x = rows.clone()
+    if clip < 1.0:
+        thr = x.abs().sort(dim=-1).values[..., min(int(clip * d), d - 1)].unsqueeze(-1)
+        x = torch.where(x > thr, thr, torch.where(x < -thr, -thr, x))
+    out = torch.empty_like(x)
+    for g0 in range(0, d, group):
+        seg = x[..., g0 : g0 + group]
+        lo = seg.min(dim=-1, keepdim=True).values
+        hi = seg.max(dim=-1, keepdim=True).values
+        scale = torch.clamp((hi - lo) / 3, min=1e-8).half().float()
+        lo = lo.half().float()
+        q = torch.clamp(torch.floor((seg - lo) / scale + 0.5), 0, 3)
+        out[..., g0 : g0 + group] = q * scale + lo
+    return out
+
+
+class OscarStandalone:
+    def __init__(self, model_dir: str, artifact, sink: int, window: int, group: int):
+        self.art, self.sink, self.window, self.group = artifact, sink, window, group
+        name = "kvq_oscar_standalone"
+        AttentionInterface.register(name, self._attention)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name)
+        self.model.eval()
+
+    def _attention(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kw):
+        layer = module.layer_idx
+        _, hq, t, d = query.shape
+        hkv = key.shape[1]
+        heads = list(range(hkv))
+        rk = self.art.rotation_for("k", layer, heads)
+        rv = self.art.rotation_for("v", layer, heads)
+        g = hq // hkv
+        out = torch.empty(t, hq, d)
+        pos = torch.arange(t)
+        dist = pos[:, None] - pos[None, :]
+        use_bf16 = (pos[None, :] < self.sink) | (dist < self.window)
+        for h in range(hq):
+            j = h // g
+            q = query[0, h].float() @ rk[j]
+            k = (key[0, j].float() @ rk[j]).bfloat16().float()
+            v = (value[0, j].float() @ rv[j]).bfloat16().float()
+            k_lo = naive_int2(k, self.group, self.art.k_clip[layer])
+            v_lo = naive_int2(v, self.group, self.art.v_clip[layer])
+            logits = torch.where(use_bf16, q @ k.T, q @ k_lo.T) * scaling
+            logits = logits.masked_fill(dist < 0, float("-inf"))
+            p = torch.softmax(logits, dim=-1)
+            o = (p * use_bf16) @ v + (p * ~use_bf16) @ v_lo
+            out[:, h] = o @ rv[j].T
+        return out.unsqueeze(0), None
+
+    @torch.no_grad()
+    def logprobs(self, token_ids: list[int]) -> torch.Tensor:
+        """log p(token[i+1] | tokens[:i+1]) for every position, and the logits."""
+        ids = torch.tensor([token_ids])
+        logits = self.model(ids).logits[0].float()
+        return torch.log_softmax(logits, dim=-1)
