@@ -65,6 +65,12 @@ class OscarBackend(AttentionBackend):
         return [MultipleOf(16)]
 
     @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        # Small blocks multiply the state blocks each request holds (R grows
+        # as 1/KB); 128 keeps R at 18 for the default sink/window.
+        return max(default_block_size, 128)
+
+    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return (KVCacheLayout.LBHNC,)
 
