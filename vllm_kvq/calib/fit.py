@@ -1,0 +1,85 @@
+"""From captured statistics to an artifact: rotations and clip ratios."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvq.artifacts import OscarArtifact
+from vllm_kvq.calib.capture import LayerStats
+from vllm_kvq.calib.rotation import oscar_rotation
+from vllm_kvq.kernels.oscar.reference import fake_quantize, mixed_attention
+
+CLIP_GRID = (1.0, 0.99, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88)
+
+
+def rotations(stats: LayerStats, granularity: str, value_target: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """R_K and R_V for one layer: ``[D, D]`` (layer) or ``[H, D, D]`` (kv_head)."""
+    v_cov = {"exact": stats.cs, "proxy": stats.cv}[value_target]
+    if granularity == "layer":
+        rk, ek = oscar_rotation(stats.cq.mean(0).cpu())
+        rv, ev = oscar_rotation(v_cov.mean(0).cpu())
+    else:
+        pairs_k = [oscar_rotation(c.cpu()) for c in stats.cq]
+        pairs_v = [oscar_rotation(c.cpu()) for c in v_cov]
+        rk, ek = torch.stack([p[0] for p in pairs_k]), torch.stack([p[1] for p in pairs_k])
+        rv, ev = torch.stack([p[0] for p in pairs_v]), torch.stack([p[1] for p in pairs_v])
+    return rk, rv, {"k_eigenvalues": ek, "v_eigenvalues": ev}
+
+
+def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """x ``[H*g, T, D]`` (heads grouped by KV head) times R ``[D, D]``/``[H, D, D]``."""
+    if r.dim() == 2:
+        return x @ r
+    h = r.shape[0]
+    return (x.view(h, -1, *x.shape[1:]) @ r.unsqueeze(1)).view_as(x)
+
+
+def output_error(held: dict, rk, rv, k_clip: float, v_clip: float, group: int, sink: int, window: int) -> float:
+    """Relative attention-output error of the INT2 cache on held-out tokens."""
+    q = _rotate(held["q"], rk)
+    k = _rotate(held["k"], rk).bfloat16().float()
+    v = _rotate(held["v"], rv).bfloat16().float()
+    t = q.shape[1]
+    pos = torch.arange(t)
+    k_lo = fake_quantize(k, group, k_clip)
+    v_lo = fake_quantize(v, group, v_clip)
+    perm = lambda x: x.transpose(0, 1)  # [H, T, D] -> [T, H, D]
+    approx = mixed_attention(perm(q), pos, perm(k), perm(v), perm(k_lo), perm(v_lo), sink, window, held["scale"])
+    exact = mixed_attention(perm(q), pos, perm(k), perm(v), perm(k), perm(v), sink, window, held["scale"])
+    return ((approx - exact).norm() / exact.norm()).item()
+
+
+def fit_clip(held: dict, rk, rv, group: int, sink: int, window: int) -> tuple[float, float, dict]:
+    """Per-layer clip ratios minimising the attention-output error: keys first
+    (values unclipped), then values at the chosen key ratio."""
+    k_err = {c: output_error(held, rk, rv, c, 1.0, group, sink, window) for c in CLIP_GRID}
+    ck = min(k_err, key=k_err.get)
+    v_err = {c: output_error(held, rk, rv, ck, c, group, sink, window) for c in CLIP_GRID}
+    cv = min(v_err, key=v_err.get)
+    return ck, cv, {"k_error": k_err, "v_error": v_err}
+
+
+def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity: str, value_target: str,
+                   clip: str, k_clip: float, v_clip: float, group: int, sink: int, window: int,
+                   provenance: dict) -> OscarArtifact:
+    ks, vs, kc, vc, report = {}, {}, {}, {}, {}
+    spectra = {"k": {}, "v": {}}
+    for idx in sorted(layers):
+        st = layers[idx]
+        rk, rv, ev = rotations(st, granularity, value_target)
+        ks[idx], vs[idx] = rk, rv
+        spectra["k"][idx], spectra["v"][idx] = ev["k_eigenvalues"], ev["v_eigenvalues"]
+        if clip == "fitted":
+            kc[idx], vc[idx], errors = fit_clip(st.held_out, rk, rv, group, sink, window)
+            report[idx] = errors
+        else:
+            kc[idx], vc[idx] = k_clip, v_clip
+    prov = dict(provenance, granularity=granularity, value_target=value_target, clip=clip)
+    if report:
+        prov["clip_fit"] = {str(i): {k: {str(c): round(e, 6) for c, e in v.items()} for k, v in r.items()}
+                            for i, r in report.items()}
+    return OscarArtifact(
+        fingerprint=fingerprint, head_dim=fingerprint["head_dim"], num_kv_heads=fingerprint["num_key_value_heads"],
+        layers=sorted(layers), granularity=granularity, k_rotation=ks, v_rotation=vs, k_clip=kc, v_clip=vc,
+        group_size=group, sink=sink, window=window, provenance=prov, eigenvalues=spectra,
+    )
