@@ -27,6 +27,8 @@ VARIANTS = {
     "naive INT2 (no rotation, no sink/window)": {"rotation": "none", "sink": 0, "window": 0},
     "INT2 + sink/window": {"rotation": "none"},
     "Hadamard + sink/window": {"rotation": "hadamard"},
+    "OSCAR, shared per-layer rotation": {"artifact": str(REPO / "examples/artifacts/house-qwen3-oscar-layer")},
+    "OSCAR, per-KV-head rotation": {"artifact": str(REPO / "examples/artifacts/house-qwen3-oscar")},
 }
 
 
@@ -44,23 +46,49 @@ def ppl_windows(tokenizer, count: int, length: int = 4000) -> list[list[int]]:
     return [ids[i * length : (i + 1) * length] for i in range(count) if (i + 1) * length <= len(ids)]
 
 
+GUARD_TOKENS = 4500
+
+
+def generate_guarded(llm, prompts: list, params) -> list:
+    """Generate in waves of 16 requests, each beside a guard request longer
+    than any prompt, so the per-request chunk cap holds until the wave is done."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    guard = TokensPrompt(prompt_token_ids=[(7 * i) % 8000 + 10 for i in range(GUARD_TOKENS)])
+    results = []
+    for i in range(0, len(prompts), 16):
+        wave = prompts[i : i + 16]
+        outs = llm.generate([guard, *wave], [SamplingParams(max_tokens=1)] + [params] * len(wave),
+                            use_tqdm=False)
+        results += outs[1:]
+    return results
+
+
 def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[list[int]], args) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     kw = dict(attention_backend="OSCAR", additional_config={"kvq": kvq}) if kvq is not None else {}
-    llm = LLM(model=model, dtype=args.dtype, max_model_len=4200, max_num_seqs=16, enforce_eager=True,
-              enable_chunked_prefill=True, max_num_batched_tokens=args.chunk, enable_prefix_caching=False,
-              kv_cache_memory_bytes=2 << 30, seed=0, **kw)
+    if args.tokenizer:
+        kw["tokenizer"] = args.tokenizer
+    # Decode regime: every request is prefilled in chunks of at most
+    # `args.chunk` tokens (vLLM's long_prefill_token_threshold), 16 requests
+    # side by side. vLLM lifts that cap when a single request is left, so a
+    # longer guard request runs alongside and is dropped from the results.
+    llm = LLM(model=model, dtype=args.dtype, max_model_len=4600, max_num_seqs=17, enforce_eager=True,
+              enable_chunked_prefill=True, max_num_batched_tokens=args.chunk * 17,
+              long_prefill_token_threshold=args.chunk,
+              enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, seed=0, **kw)
     t0 = time.time()
-    outs = llm.generate([r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)
+    outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0))
     hits = [o.outputs[0].text.startswith(r["answer"][:4]) for o, r in zip(outs, needles)]
     by_bucket = {}
     for lo, hi, name in BUCKETS:
         sel = [h for h, r in zip(hits, needles) if lo <= r["prompt_tokens"] < hi]
         by_bucket[name] = sum(sel) / len(sel) if sel else float("nan")
-    ppl_out = llm.generate([TokensPrompt(prompt_token_ids=w) for w in windows],
-                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+    ppl_out = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
+                               SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
     nll, n = 0.0, 0
     for o, w in zip(ppl_out, windows):
         for i, entry in enumerate(o.prompt_logprobs[1:], start=1):
@@ -78,9 +106,10 @@ def write_markdown(results: dict, args, path: Path) -> None:
     lines = [
         "# Accuracy",
         "",
-        f"Model `{Path(args.model).name}`, dtype {args.dtype}, vLLM 0.32 CPU, decode regime "
-        f"(chunked prefill, `max_num_batched_tokens={args.chunk}`): every prompt token reads older "
-        "context from the cache as a generated token would. Needles: "
+        f"Model `{Path(args.model).name}`, dtype {args.dtype}, vLLM 0.32 CPU, decode regime: chunked "
+        f"prefill with every request prefilled in chunks of at most {args.chunk} tokens "
+        "(`long_prefill_token_threshold`), so every prompt token reads older context from the cache "
+        "as a generated token would. Needles: "
         f"`../shared/eval/needles-dev.jsonl`, first {args.needles_per_bucket} per length bucket, hit = "
         "greedy continuation starts with `answer[:4]`. Perplexity: "
         f"{args.ppl_windows} windows of 4000 tokens of `code-dev.txt.gz`, from `prompt_logprobs`.",
@@ -103,7 +132,9 @@ def write_markdown(results: dict, args, path: Path) -> None:
         "window 0, no rotation, no clipping); `INT2 + sink/window` keeps the first 64 and last 256 "
         "tokens of every sequence in BF16; `Hadamard` rotates keys and values by a 128x128 "
         "Sylvester Hadamard matrix first. All INT2 variants use groups of 128 with fp16 (scale, min). "
-        "OSCAR's calibrated rotations are added by the calibration tooling.",
+        "`OSCAR` rows use the artifacts in `examples/artifacts/` made by `vllm-kvq calibrate` on "
+        "`code-dev.txt.gz` (28,672 tokens; R = U·H·P_br from the grouped query covariance for K and "
+        "the score-weighted value covariance for V; clip 0.96 / 0.92), shared per layer or per KV head.",
         "",
         "OSCAR reads every key older than the window as INT2 for every query, whatever the chunking, "
         "so small and large prefill chunks give the same result here (tests check it); the small "
@@ -116,6 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(REPO / "examples" / "models" / "house-qwen3"))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--tokenizer", help="tokenizer directory, if not the model's (house-qwen2)")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--needles-per-bucket", type=int, default=8)
     ap.add_argument("--ppl-windows", type=int, default=3)
@@ -126,7 +158,7 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(args.model)
+    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     needles = needle_set(args.needles_per_bucket)
     windows = ppl_windows(tok, args.ppl_windows)
     results = {}

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from tests.conftest import make_llm, needles, shutdown
+from tests.conftest import REPO, make_llm, needles, shutdown
 
 pytestmark = pytest.mark.slow
 
@@ -37,12 +37,22 @@ def _short_prompts():
     return ["\n".join(text[i : i + 12]) + "\n" for i in range(0, 72, 12)]
 
 
-def test_exact_when_sink_and_window_cover_the_sequence(bf16_llm, oscar_llm, greedy):
-    """Prompts + generation < S0 + W: nothing is INT2, tokens equal BF16's."""
+@pytest.fixture(scope="module")
+def calibrated_llm():
+    art = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
+    llm = make_llm(oscar={"artifact": str(art)}, max_model_len=2048)
+    yield llm
+    shutdown(llm)
+
+
+@pytest.mark.parametrize("engine", ["oscar_llm", "calibrated_llm"])
+def test_exact_when_sink_and_window_cover_the_sequence(bf16_llm, engine, greedy, request):
+    """Prompts + generation < S0 + W: nothing is INT2, tokens equal BF16's
+    (Hadamard per layer, and the calibrated per-KV-head artifact)."""
     prompts = _short_prompts()
     params = greedy(24, logprobs=1)
     ref = bf16_llm.generate(prompts, params, use_tqdm=False)
-    got = oscar_llm.generate(prompts, params, use_tqdm=False)
+    got = request.getfixturevalue(engine).generate(prompts, params, use_tqdm=False)
     diffs = []
     for r, g in zip(ref, got):
         assert len(r.prompt_token_ids) + 24 <= 64 + 256

@@ -9,7 +9,7 @@ from vllm_kvq.calib.capture import LayerStats
 from vllm_kvq.calib.rotation import oscar_rotation
 from vllm_kvq.kernels.oscar.reference import fake_quantize, mixed_attention
 
-CLIP_GRID = (1.0, 0.99, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88)
+CLIP_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8)
 
 
 def rotations(stats: LayerStats, granularity: str, value_target: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -34,27 +34,34 @@ def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     return (x.view(h, -1, *x.shape[1:]) @ r.unsqueeze(1)).view_as(x)
 
 
-def output_error(held: dict, rk, rv, k_clip: float, v_clip: float, group: int, sink: int, window: int) -> float:
-    """Relative attention-output error of the INT2 cache on held-out tokens."""
-    q = _rotate(held["q"], rk)
-    k = _rotate(held["k"], rk).bfloat16().float()
-    v = _rotate(held["v"], rv).bfloat16().float()
-    t = q.shape[1]
-    pos = torch.arange(t)
-    k_lo = fake_quantize(k, group, k_clip)
-    v_lo = fake_quantize(v, group, v_clip)
-    perm = lambda x: x.transpose(0, 1)  # [H, T, D] -> [T, H, D]
-    approx = mixed_attention(perm(q), pos, perm(k), perm(v), perm(k_lo), perm(v_lo), sink, window, held["scale"])
-    exact = mixed_attention(perm(q), pos, perm(k), perm(v), perm(k), perm(v), sink, window, held["scale"])
-    return ((approx - exact).norm() / exact.norm()).item()
+class HeldOut:
+    """One held-out window in the rotated basis, with its exact attention output."""
+
+    def __init__(self, held: dict, rk, rv, sink: int, window: int):
+        perm = lambda x: x.transpose(0, 1).contiguous()  # [H, T, D] -> [T, H, D]
+        self.q = perm(_rotate(held["q"], rk))
+        self.k = perm(_rotate(held["k"], rk)).bfloat16().float()
+        self.v = perm(_rotate(held["v"], rv)).bfloat16().float()
+        self.pos = torch.arange(self.q.shape[0])
+        self.sink, self.window, self.scale = sink, window, held["scale"]
+        self.exact = self.attend(self.k, self.v)
+
+    def attend(self, k_lo, v_lo):
+        return mixed_attention(self.q, self.pos, self.k, self.v, k_lo, v_lo, self.sink, self.window, self.scale)
+
+    def error(self, group: int, k_clip: float, v_clip: float) -> float:
+        """Relative attention-output error of the INT2 cache."""
+        approx = self.attend(fake_quantize(self.k, group, k_clip), fake_quantize(self.v, group, v_clip))
+        return ((approx - self.exact).norm() / self.exact.norm()).item()
 
 
 def fit_clip(held: dict, rk, rv, group: int, sink: int, window: int) -> tuple[float, float, dict]:
-    """Per-layer clip ratios minimising the attention-output error: keys first
-    (values unclipped), then values at the chosen key ratio."""
-    k_err = {c: output_error(held, rk, rv, c, 1.0, group, sink, window) for c in CLIP_GRID}
+    """Per-layer clip ratios minimising the attention-output error on held-out
+    tokens: keys first (values unclipped), then values at the chosen key ratio."""
+    h = HeldOut(held, rk, rv, sink, window)
+    k_err = {c: h.error(group, c, 1.0) for c in CLIP_GRID}
     ck = min(k_err, key=k_err.get)
-    v_err = {c: output_error(held, rk, rv, ck, c, group, sink, window) for c in CLIP_GRID}
+    v_err = {c: h.error(group, ck, c) for c in CLIP_GRID}
     cv = min(v_err, key=v_err.get)
     return ck, cv, {"k_error": k_err, "v_error": v_err}
 
