@@ -1,6 +1,6 @@
 """Generate with the OSCAR INT2 KV cache next to BF16 on a bundled model.
 
-    python examples/demo.py [--model examples/models/house-qwen3] [--kvq '{"rotation": "hadamard"}']
+    python examples/demo.py [--model examples/models/house-qwen3] [--kvq '{"artifact": "..."}']
 
 Prints each backend's KV capacity (tokens vLLM reports at the same memory
 budget) and sample completions.
@@ -33,7 +33,8 @@ def run(model: str, kvq: dict | None, budget: int, max_len: int):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(REPO / "examples" / "models" / "house-qwen3"))
-    ap.add_argument("--kvq", default='{"rotation": "hadamard"}', help="OSCAR settings (JSON)")
+    default_kvq = json.dumps({"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar")})
+    ap.add_argument("--kvq", default=default_kvq, help="OSCAR settings (JSON), default: the bundled artifact")
     ap.add_argument("--budget-mib", type=int, default=1024)
     ap.add_argument("--max-model-len", type=int, default=16384)
     args = ap.parse_args()
