@@ -142,22 +142,22 @@ def write_request(
     start: int,
     k: torch.Tensor,
     v: torch.Tensor,
-    k_clip: float,
-    v_clip: float,
+    k_quant: tuple[torch.Tensor, torch.Tensor],
+    v_quant: tuple[torch.Tensor, torch.Tensor],
 ) -> None:
     """Store rotated rows ``k, v [T, H, D]`` of positions ``start .. start+T``.
 
-    Every row goes to its data block as INT2. Sink positions and the last W
-    positions of the chunk also go to the request's state blocks in BF16 (only
-    the last writer of each ring slot is stored, so the slot ends up holding
-    the newest row).
+    Every row goes to its data block as INT2 (``k_quant``/``v_quant``: the
+    codes and (scale, min) of :func:`quantize_rows`). Sink positions and the
+    last W positions of the chunk also go to the request's state blocks in
+    BF16 (only the last writer of each ring slot is stored, so the slot ends
+    up holding the newest row).
     """
     t = k.shape[0]
     device = k.device
     positions = torch.arange(start, start + t, device=device)
     blk, off = _data_location(block_row, positions, fmt)
-    kc, ks = quantize_rows(k, fmt.group_size, k_clip)
-    vc, vs = quantize_rows(v, fmt.group_size, v_clip)
+    (kc, ks), (vc, vs) = k_quant, v_quant
     pages.k_codes[blk, :, off] = pack_codes(kc)
     pages.v_codes[blk, :, off] = pack_codes(vc)
     pages.k_scale[blk, :, off] = ks
@@ -262,10 +262,13 @@ def attend_and_write(
     Returns the attention output in the rotated V basis, ``[T, Hq, D]`` fp32.
     """
     t = q.shape[0]
+    g = fmt.group_size
     k_bf = k.to(torch.bfloat16).float()
     v_bf = v.to(torch.bfloat16).float()
-    k_lo_new = fake_quantize(k_bf, fmt.group_size, k_clip)
-    v_lo_new = fake_quantize(v_bf, fmt.group_size, v_clip)
+    k_quant = quantize_rows(k_bf, g, k_clip)
+    v_quant = quantize_rows(v_bf, g, v_clip)
+    k_lo_new = dequantize_rows(*k_quant, g)
+    v_lo_new = dequantize_rows(*v_quant, g)
     if ctx > 0:
         k_q, v_q, k_hi, v_hi, _ = read_context(pages, fmt, block_row, ctx)
         k_lo = torch.cat((k_q, k_lo_new))
@@ -276,5 +279,5 @@ def attend_and_write(
         k_lo, v_lo, k_hi, v_hi = k_lo_new, v_lo_new, k_bf, v_bf
     q_pos = torch.arange(ctx, ctx + t, device=q.device)
     out = mixed_attention(q, q_pos, k_hi, v_hi, k_lo, v_lo, fmt.sink, fmt.window, scale)
-    write_request(pages, fmt, block_row, ctx, k_bf, v_bf, k_clip, v_clip)
+    write_request(pages, fmt, block_row, ctx, k_bf, v_bf, k_quant, v_quant)
     return out
