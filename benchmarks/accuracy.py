@@ -121,6 +121,8 @@ def write_markdown(results: dict, args, path: Path) -> None:
     ]
     for name, r in results.items():
         b = r["needle_by_bucket"]
+        if name == "bf16" and args.dtype != "bfloat16":
+            name = f"unquantized KV ({args.dtype})"
         rel = r["needle_acc"] / base["needle_acc"] if base["needle_acc"] else float("nan")
         lines.append(
             f"| {name} | {r['needle_acc']:.3f} | {b['<1k']:.2f} | {b['1-2k']:.2f} | {b['2-3k']:.2f} | "
@@ -154,7 +156,13 @@ def main() -> None:
     ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
     ap.add_argument("--markdown", default=str(REPO / "docs" / "accuracy.md"))
     ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "accuracy.json"))
+    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from --json")
     args = ap.parse_args()
+    if args.render_only:
+        saved = json.loads(Path(args.json).read_text())
+        args = argparse.Namespace(**{**saved["args"], "markdown": args.markdown})
+        write_markdown(saved["results"], args, Path(args.markdown))
+        return
 
     from transformers import AutoTokenizer
 
