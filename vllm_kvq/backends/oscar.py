@@ -168,7 +168,6 @@ class OscarImpl(AttentionImpl):
         self.head_size = head_size
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads or num_heads
-        self.kv_cache_dtype = kv_cache_dtype
         self.artifact = resolve_artifact(self.settings, self.hf_config)
         text = text_config(self.hf_config)
         self.heads_per_kv = text.num_attention_heads // text.num_key_value_heads
@@ -210,7 +209,7 @@ class OscarImpl(AttentionImpl):
         t = x.shape[0]
         h = rotation.shape[0]
         xg = x.float().view(t, h, -1, self.head_size)
-        return torch.einsum("thgd,hde->thge", xg, rotation.to(x.device)).reshape(t, -1, self.head_size)
+        return torch.einsum("thgd,hde->thge", xg, rotation).reshape(t, -1, self.head_size)
 
     # ------------------------------------------------------------ forward
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output,
@@ -221,6 +220,8 @@ class OscarImpl(AttentionImpl):
             return output
         if self._layer is None:
             self.bind_layer(layer.layer_name)
+        if self.k_rotation.device != query.device:
+            self.k_rotation = self.k_rotation.to(query.device)
         if not self.v_identity and not self.v_absorbed:
             raise RuntimeError(
                 f"OSCAR value rotation of {layer.layer_name} was not folded into the "
