@@ -131,12 +131,6 @@ class OscarFormat:
         """R: blocks per request that hold the BF16 sink and window."""
         return -(-self.state_slots // self.state_rows_per_block)
 
-    def state_slot(self, position: int) -> int:
-        """Slot of a BF16 row for a sequence position (sink or window)."""
-        if position < self.sink:
-            return position
-        return self.sink + (position - self.sink) % max(self.window, 1)
-
     def bits_per_element(self, context_len: int) -> float:
         """Effective KV bits per element at a context length, state included."""
         quant = context_len * self.bytes_per_token

@@ -117,6 +117,12 @@ def _data_location(
     return block_row[idx].long(), positions % fmt.block_size
 
 
+def _has_bf16_row(positions: torch.Tensor, seq_len: int, fmt: OscarFormat) -> torch.Tensor:
+    """Which positions of a sequence of ``seq_len`` tokens keep a BF16 row:
+    the sink and the last W positions."""
+    return (positions < fmt.sink) | (positions >= max(seq_len - fmt.window, fmt.sink))
+
+
 def _state_location(
     block_row: torch.Tensor, positions: torch.Tensor, fmt: OscarFormat
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,7 +170,7 @@ def write_request(
     pages.v_scale[blk, :, off] = vs
 
     end = start + t
-    keep = (positions < fmt.sink) | (positions >= max(end - fmt.window, fmt.sink))
+    keep = _has_bf16_row(positions, end, fmt)
     if bool(keep.any()):
         sel = keep.nonzero().squeeze(-1)
         sblk, srow = _state_location(block_row, positions[sel], fmt)
@@ -193,7 +199,7 @@ def read_context(
     k_q = dequantize_rows(unpack_codes(pages.k_codes[blk, :, off]), pages.k_scale[blk, :, off], g)
     v_q = dequantize_rows(unpack_codes(pages.v_codes[blk, :, off]), pages.v_scale[blk, :, off], g)
 
-    has_bf16 = (positions < fmt.sink) | (positions >= max(ctx - fmt.window, fmt.sink))
+    has_bf16 = _has_bf16_row(positions, ctx, fmt)
     k_hi = torch.zeros_like(k_q)
     v_hi = torch.zeros_like(v_q)
     if bool(has_bf16.any()):
