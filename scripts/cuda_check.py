@@ -3,10 +3,11 @@
 Runs on a GPU machine with vLLM 0.32 (``bash scripts/cuda_check.sh``):
 
 1. the reference ops give the same bytes and outputs on CUDA as on CPU;
-2. a random-weight Qwen3 (house-qwen3 shapes) generates with TRITON_ATTN and
-   with OSCAR; with sink + window >= length the greedy tokens must be equal;
-3. OSCAR with a small window (INT2 active) generates, and its distance to
-   BF16 is reported.
+2. house-qwen3 (carried int8, restored to bf16: scripts/pack_for_gpu.py)
+   generates with TRITON_ATTN and with OSCAR (Hadamard, and the bundled
+   calibrated artifact) at the default sink 64 / window 256; on 200-token
+   prompts (sink + window >= length) the greedy tokens must be equal;
+3. on 1500-token prompts (INT2 active) the distance to BF16 is reported.
 
 Each engine runs in its own process. Results go to ``$OUT/cuda_check.json``.
 """
@@ -23,25 +24,32 @@ MODEL_DIR = Path("/tmp/kvq_cuda_model")
 OUT = Path(os.environ.get("OUT", "/tmp/kvq_out"))
 
 
+CARRY = Path(__file__).resolve().parents[1] / ".device-carry" / "house-qwen3"
+
+
 def make_model() -> None:
+    """Restore the int8-packed house-qwen3 (scripts/pack_for_gpu.py) to bf16."""
+    import shutil
+
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(0)
-    cfg = Qwen3Config(
-        vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=6,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=16384,
-        initializer_range=0.08, tie_word_embeddings=True, rope_theta=1e6, torch_dtype="bfloat16",
-    )
-    model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(MODEL_DIR, safe_serialization=True)
+    packed = load_file(CARRY / "model.int8.safetensors")
+    weights = {}
+    for name, t in packed.items():
+        if name.endswith(".int8"):
+            base = name[: -len(".int8")]
+            weights[base] = (t.float() * packed[base + ".scale"].float()).to(torch.bfloat16)
+        elif not name.endswith(".scale"):
+            weights[name] = t
+    MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    save_file(weights, MODEL_DIR / "model.safetensors", metadata={"format": "pt"})
+    for f in ("config.json", "generation_config.json"):
+        shutil.copy(CARRY / f, MODEL_DIR / f)
 
 
-def prompts(n: int = 8, length: int = 200) -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(10, 8000, (length,), generator=g).tolist() for _ in range(n)]
+def prompts(kind: str) -> list[list[int]]:
+    return json.loads((CARRY / "prompts.json").read_text())[kind]
 
 
 def run_engine(backend: str, kvq: str, out: str) -> None:
@@ -56,14 +64,30 @@ def run_engine(backend: str, kvq: str, out: str) -> None:
         kw["additional_config"] = {"kvq": json.loads(kvq)}
     llm = LLM(model=str(MODEL_DIR), skip_tokenizer_init=True, max_model_len=4096, gpu_memory_utilization=0.3,
               enforce_eager=True, enable_prefix_caching=False, block_size=128, seed=0, **kw)
-    params = SamplingParams(max_tokens=32, temperature=0, logprobs=0, detokenize=False)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts()], params, use_tqdm=False)
-    result = {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
-        "kv_cache_size_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens,
-    }
+    params = SamplingParams(max_tokens=32, temperature=0, logprobs=2, detokenize=False)
+    result = {"kv_cache_size_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens}
+    for kind in ("short", "long"):
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(kind)], params, use_tqdm=False)
+        result[kind] = {
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         for o in outs],
+            # top-1 minus runner-up logprob: how far each greedy choice is from a tie
+            "margins": [[sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in o.outputs[0].logprobs]
+                        for o in outs],
+        }
     Path(out).write_text(json.dumps(result))
+
+
+def compare(run: dict, base: dict) -> dict:
+    """Sequences equal, first divergence, and |dlogprob| before it, against the BF16 run."""
+    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+             for a, b in zip(run["tokens"], base["tokens"])]
+    diffs = [abs(x - y) for lr, lb, f in zip(run["logprobs"], base["logprobs"], first) for x, y in zip(lr[:f], lb[:f])]
+    margins = [m[0] - m[1] if len(m) > 1 else None for ms, f in zip(base["margins"], first) for m in ms[f:f + 1]]
+    return {"sequences_equal_to_bf16": f"{first.count(len(run['tokens'][0]))}/{len(first)}",
+            "first_divergence": first, "bf16_top2_margin_at_divergence": margins,
+            "logprob_absdiff_mean": sum(diffs) / max(len(diffs), 1), "logprob_absdiff_max": max(diffs, default=0.0)}
 
 
 def check_ops() -> dict:
@@ -95,17 +119,17 @@ def check_ops() -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "engine":
-        run_engine(*sys.argv[2:5])
+        run_engine(*sys.argv[2:6])
         return
     OUT.mkdir(parents=True, exist_ok=True)
     summary = {"ops": check_ops()}
     print("ops:", summary["ops"], flush=True)
     make_model()
+    artifact = Path(__file__).resolve().parents[1] / "examples" / "artifacts" / "house-qwen3-oscar"
     runs = {
         "bf16": ("TRITON_ATTN", "{}"),
-        "oscar_exact": ("OSCAR", json.dumps({"rotation": "hadamard"})),
-        "oscar_int2": ("OSCAR", json.dumps({"rotation": "hadamard", "sink": 16, "window": 32,
-                                            "k_clip": 0.96, "v_clip": 0.92})),
+        "oscar_hadamard": ("OSCAR", json.dumps({"rotation": "hadamard"})),
+        "oscar_calibrated": ("OSCAR", json.dumps({"artifact": str(artifact)})),
     }
     results = {}
     for name, (backend, kvq) in runs.items():
@@ -113,15 +137,15 @@ def main() -> None:
         subprocess.run([sys.executable, __file__, "engine", backend, kvq, str(path)], check=True)
         results[name] = json.loads(path.read_text())
     base = results["bf16"]
-    for name in ("oscar_exact", "oscar_int2"):
-        r = results[name]
-        same = sum(a == b for a, b in zip(r["tokens"], base["tokens"]))
-        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-                 for a, b in zip(r["tokens"], base["tokens"])]
-        summary[name] = {"sequences_equal_to_bf16": f"{same}/{len(base['tokens'])}",
-                         "first_divergence": first, "kv_cache_size_tokens": r["kv_cache_size_tokens"]}
     summary["bf16"] = {"kv_cache_size_tokens": base["kv_cache_size_tokens"]}
-    summary["exact_ok"] = results["oscar_exact"]["tokens"] == base["tokens"] and summary["ops"]["pages_identical_cpu_vs_cuda"]
+    for name in ("oscar_hadamard", "oscar_calibrated"):
+        r = results[name]
+        summary[name] = {"kv_cache_size_tokens": r["kv_cache_size_tokens"],
+                         "capacity_vs_bf16": r["kv_cache_size_tokens"] / base["kv_cache_size_tokens"],
+                         "exact_200_tokens": compare(r["short"], base["short"]),
+                         "int2_1500_tokens": compare(r["long"], base["long"])}
+    summary["exact_ok"] = (results["oscar_hadamard"]["short"]["tokens"] == base["short"]["tokens"]
+                           and summary["ops"]["pages_identical_cpu_vs_cuda"])
     (OUT / "cuda_check.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     if not summary["exact_ok"]:

@@ -90,3 +90,29 @@ def test_each_defect_is_named(tmp_path, case, match):
     d = _save_and_edit(tmp_path, **edits)
     with pytest.raises(ArtifactError, match=match):
         OscarArtifact.load(d, FP)
+
+
+FORK_AFTER_LOAD = """
+import os, sys
+from vllm_kvq.artifacts import OscarArtifact
+OscarArtifact.load(sys.argv[1])
+pid = os.fork()
+if pid == 0:
+    OscarArtifact.load(sys.argv[1])
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_loading_leaves_the_process_safe_to_fork():
+    """vLLM validates the artifact in the parent, then forks the engine core,
+    which loads it again; torch's OpenMP pool used before a fork hangs the child."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    art = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER_LOAD, str(art)], timeout=120)
+    assert done.returncode == 0

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 FORMAT_NAME = "vllm-kvq"
@@ -178,11 +179,13 @@ class OscarArtifact:
                         f"{where}: {name} has shape {tuple(r.shape)}, expected {want} "
                         f"(granularity {self.granularity}, head_dim {d}, {h} KV heads)"
                     )
-                r64 = r.double()
-                if not torch.isfinite(r64).all():
+                # numpy, not torch: vLLM forks its engine after this runs in
+                # the parent, and a child hangs if the parent used torch's
+                # OpenMP pool (numpy's BLAS threads are fork-safe).
+                r64 = r.float().numpy().astype(np.float64)
+                if not np.isfinite(r64).all():
                     raise ArtifactError(f"{where}: {name} contains NaN or Inf")
-                eye = torch.eye(d, dtype=torch.float64)
-                err = (r64.transpose(-1, -2) @ r64 - eye).abs().max().item()
+                err = float(np.abs(np.swapaxes(r64, -1, -2) @ r64 - np.eye(d)).max())
                 if err > ORTHOGONALITY_TOL:
                     raise ArtifactError(
                         f"{where}: {name} is not orthogonal (max |R^T R - I| = {err:.3g} > "
