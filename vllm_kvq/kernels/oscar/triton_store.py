@@ -1,0 +1,158 @@
+"""Fused OSCAR write path: rotate K, clip, quantize, pack, and store BF16
+sink/window rows, in one launch per layer.
+
+Twin of :func:`reference.write_request` (plus the K rotation and the
+quantizer of :func:`reference.quantize_rows`) for every token of a batch at
+once. Each program handles ``BLOCK_T`` tokens of one KV head.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvq.kernels.oscar.format import OscarFormat
+
+
+@triton.jit
+def _clip(x, ratio_idx, D: tl.constexpr):
+    """Clamp each row of ``x [T, D]`` at ``sort(|x|)[ratio_idx]`` (no-op if idx < 0)."""
+    if ratio_idx >= 0:
+        cols = tl.arange(0, D)
+        srt = tl.sort(tl.abs(x), dim=1)
+        thr = tl.sum(tl.where(cols[None, :] == ratio_idx, srt, 0.0), axis=1)
+        x = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None])
+    return x
+
+
+@triton.jit
+def _quantize_store(x, codes_ptr, sm_ptr, tok_ok, BLOCK_T: tl.constexpr, D: tl.constexpr,
+                    G: tl.constexpr):
+    """INT2 codes (quartered, 4 per byte) and fp16 (scale, min) of rows ``x``.
+
+    ``codes_ptr [T]`` points at each row's first code byte, ``sm_ptr [T]`` at its
+    first fp16 (scale, min) pair.
+    """
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+    xg = tl.reshape(x, (BLOCK_T, NG, G))
+    lo = tl.min(xg, axis=2)
+    hi = tl.max(xg, axis=2)
+    scale = tl.maximum(tl.math.div_rn(hi - lo, 3.0), 1e-8).to(tl.float16)
+    lo16 = lo.to(tl.float16)
+    q = tl.math.div_rn(xg - lo16.to(tl.float32)[:, :, None], scale.to(tl.float32)[:, :, None])
+    codes = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), 3.0).to(tl.int32)
+    codes = tl.reshape(codes, (BLOCK_T, 4, D4))
+    shifts = (tl.arange(0, 4) * 2)[None, :, None]
+    packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)
+    tl.store(codes_ptr[:, None] + tl.arange(0, D4)[None, :], packed, mask=tok_ok[:, None])
+    grp = tl.arange(0, NG)
+    tl.store(sm_ptr[:, None] + 2 * grp[None, :], scale, mask=tok_ok[:, None])
+    tl.store(sm_ptr[:, None] + 2 * grp[None, :] + 1, lo16, mask=tok_ok[:, None])
+
+
+@triton.jit
+def _store_kernel(
+    k_ptr, v_ptr, rot_ptr, k_out_ptr,
+    pos_ptr, req_ptr, end_ptr, bt_ptr, bt_stride,
+    cache_u8, cache_f16, cache_bf16,
+    n_tokens, k_clip_idx, v_clip_idx,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+    SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+    ROTATE: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    h = tl.program_id(1)
+    NG: tl.constexpr = D // G
+    D4: tl.constexpr = D // 4
+    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
+
+    tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_ok = tok < n_tokens
+    cols = tl.arange(0, D)
+    k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + cols[None, :], mask=tok_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=tok_ok[:, None], other=0.0)
+    k = k.to(tl.float32)
+    if ROTATE:
+        r = tl.load(rot_ptr + h * D * D + cols[:, None] * D + cols[None, :])
+        k = tl.dot(k, r, input_precision="ieee")
+    # The cache stores what a BF16 model would: rows rounded to bf16 first.
+    k_bf = k.to(tl.bfloat16)
+    v_bf = v.to(tl.bfloat16)
+    if ROTATE:
+        tl.store(k_out_ptr + tok[:, None] * (H * D) + h * D + cols[None, :], k_bf, mask=tok_ok[:, None])
+
+    pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0)
+    req = tl.load(req_ptr + tok, mask=tok_ok, other=0)
+    end = tl.load(end_ptr + tok, mask=tok_ok, other=0)
+    row = bt_ptr + req.to(tl.int64) * bt_stride
+
+    # INT2 rows in the data block of each position.
+    blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=tok_ok, other=0).to(tl.int64)
+    off = pos % KB
+    base = (blk * H + h) * BLOCK_BYTES
+    _quantize_store(_clip(k_bf.to(tl.float32), k_clip_idx, D), cache_u8 + base + off * D4,
+                    cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, tok_ok, BLOCK_T, D, G)
+    _quantize_store(_clip(v_bf.to(tl.float32), v_clip_idx, D), cache_u8 + base + KB * D4 + off * D4,
+                    cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
+                    tok_ok, BLOCK_T, D, G)
+
+    # BF16 rows of the sink and of the last W positions of this chunk.
+    keep = tok_ok & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
+    slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
+    sblk = tl.load(row + slot // ROWS, mask=keep, other=0).to(tl.int64)
+    srow = slot % ROWS
+    sbase = (sblk * H + h) * (BLOCK_BYTES // 2) + srow * (2 * D)
+    tl.store(cache_bf16 + sbase[:, None] + cols[None, :], k_bf, mask=keep[:, None])
+    tl.store(cache_bf16 + sbase[:, None] + D + cols[None, :], v_bf, mask=keep[:, None])
+
+
+def clip_index(ratio: float, d: int) -> int:
+    """The order statistic :func:`reference.clip_rows` clamps at (-1: no clip)."""
+    return -1 if ratio >= 1.0 else min(int(ratio * d), d - 1)
+
+
+def store_tokens(
+    kv_cache: torch.Tensor,
+    fmt: OscarFormat,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_rotation: torch.Tensor | None,
+    positions: torch.Tensor,
+    request: torch.Tensor,
+    seq_end: torch.Tensor,
+    block_table: torch.Tensor,
+    k_clip: float,
+    v_clip: float,
+) -> torch.Tensor:
+    """Rotate ``k`` (``[N, H, D]``, unrotated) by ``k_rotation [H, D, D]`` and
+    store ``k, v`` of every token in the paged cache.
+
+    Per token: its ``positions``, ``request`` (row of ``block_table``) and
+    ``seq_end`` (that request's length after this step). Returns the rotated
+    keys in bf16 ``[N, H, D]`` (``k`` itself when there is no rotation).
+    """
+    n, h, d = k.shape
+    if not kv_cache.is_contiguous():
+        raise ValueError("OSCAR pages must be one contiguous [blocks, H, KB, C] tensor per layer")
+    if n == 0:
+        return k
+    rotate = k_rotation is not None
+    if rotate:
+        k_rotation = k_rotation.to(torch.float32).contiguous()
+    k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
+    block_t = 32
+    grid = (triton.cdiv(n, block_t), h)
+    _store_kernel[grid](
+        k, v, k_rotation if rotate else k, k_out,
+        positions, request, seq_end, block_table, block_table.stride(0),
+        kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16),
+        n, clip_index(k_clip, d), clip_index(v_clip, d),
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        H=h, D=d, G=fmt.group_size, KB=fmt.block_size,
+        SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
+        ROTATE=rotate, BLOCK_T=block_t,
+    )
+    return k_out
