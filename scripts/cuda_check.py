@@ -9,7 +9,8 @@ Runs on a GPU machine with vLLM 0.32 (``bash scripts/cuda_check.sh``):
    prompts (sink + window >= length) the greedy tokens must be equal;
 3. on 1500-token prompts (INT2 active) the distance to BF16 is reported.
 
-Each engine runs in its own process. Results go to ``$OUT/cuda_check.json``.
+Each engine runs in its own process; decode steps take the Triton kernels,
+prefill chunks the reference ops. Results go to ``$OUT/cuda_check.json``.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def main() -> None:
     }
     results = {}
     for name, (backend, kvq) in runs.items():
-        path = OUT / f"cuda_{name}.json"
+        path = MODEL_DIR.parent / f"kvq_cuda_{name}.json"
         subprocess.run([sys.executable, __file__, "engine", backend, kvq, str(path)], check=True)
         results[name] = json.loads(path.read_text())
     base = results["bf16"]

@@ -23,6 +23,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
     MultipleOf,
 )
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from vllm_kvq import settings as kvq_settings
@@ -95,8 +96,10 @@ class OscarBackend(AttentionBackend):
 @dataclass
 class OscarMetadata:
     num_actual_tokens: int
+    num_decodes: int  # leading requests with a single query token
     query_start_loc: list[int]
     seq_lens: list[int]
+    seq_lens_device: torch.Tensor
     block_table: torch.Tensor
 
 
@@ -105,15 +108,20 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        # Single-token requests first: on CUDA they take the Triton decode path.
+        self._init_reorder_batch_threshold(1)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarMetadata:
         m = common_attn_metadata
         n = m.num_reqs
+        num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
         return OscarMetadata(
             num_actual_tokens=m.num_actual_tokens,
+            num_decodes=num_decodes,
             query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
             seq_lens=m.seq_lens[:n].cpu().tolist(),
+            seq_lens_device=m.seq_lens[:n],
             block_table=m.block_table_tensor[:n],
         )
 
@@ -139,7 +147,8 @@ def local_kv_heads(num_local_kv_heads: int, total_kv_heads: int) -> list[int]:
 
 
 class OscarImpl(AttentionImpl):
-    """INT2 + BF16 sink/window attention (reference ops on any device)."""
+    """INT2 + BF16 sink/window attention: on CUDA, single-token requests run the
+    fused Triton store and split-KV decode; everything else runs the reference ops."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
@@ -171,8 +180,10 @@ class OscarImpl(AttentionImpl):
         self.artifact = resolve_artifact(self.settings, self.hf_config)
         text = text_config(self.hf_config)
         self.heads_per_kv = text.num_attention_heads // text.num_key_value_heads
+        self.max_model_len = vllm_config.model_config.max_model_len
         self._layer: int | None = None
         self._fmt: OscarFormat | None = None
+        self._sm_count: int | None = None
         self.k_rotation: torch.Tensor | None = None  # [H_local, D, D] fp32
         self.v_absorbed = False  # set by the weight folding at load
 
@@ -235,19 +246,47 @@ class OscarImpl(AttentionImpl):
         v = value[:n].view(n, self.num_kv_heads, d)
         if not self.k_identity:
             q = self._rotate(q, self.k_rotation)
-            k = self._rotate(k, self.k_rotation)
         out = output.view(-1, self.num_heads, d)
+        md = attn_metadata
+        # On CUDA, single-token requests (sorted first) take the Triton path;
+        # the rest, and everything on CPU, the reference ops.
+        nd = md.num_decodes if query.is_cuda else 0
+        if nd:
+            self._decode_triton(q[:nd], k[:nd], v[:nd], kv_cache, fmt, md, out[:nd])
+        if nd == len(md.seq_lens):
+            return output
         pages = reference.PageViews(kv_cache, fmt)
-        qsl, seq_lens = attn_metadata.query_start_loc, attn_metadata.seq_lens
-        for i, seq_len in enumerate(seq_lens):
+        qsl = md.query_start_loc
+        first = qsl[nd]
+        k = k[first:n]
+        if not self.k_identity:
+            k = self._rotate(k, self.k_rotation)
+        for i in range(nd, len(md.seq_lens)):
             start, end = qsl[i], qsl[i + 1]
             if end == start:
                 continue
-            ctx = seq_len - (end - start)
+            ctx = md.seq_lens[i] - (end - start)
             res = reference.attend_and_write(
-                pages, fmt, attn_metadata.block_table[i], ctx,
-                q[start:end], k[start:end], v[start:end],
+                pages, fmt, md.block_table[i], ctx,
+                q[start:end], k[start - first:end - first], v[start:end],
                 self.k_clip, self.v_clip, self.scale,
             )
             out[start:end] = res.to(out.dtype)
         return output
+
+    def _decode_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:
+        """Single-token requests on CUDA: fused store, then split-KV decode."""
+        from vllm_kvq.kernels.oscar import triton_decode, triton_store
+
+        nd = q.shape[0]
+        seq_lens = md.seq_lens_device[:nd]
+        table = md.block_table[:nd]
+        triton_store.store_tokens(
+            kv_cache, fmt, k, v, None if self.k_identity else self.k_rotation,
+            seq_lens - 1, torch.arange(nd, dtype=torch.int32, device=q.device), seq_lens, table,
+            self.k_clip, self.v_clip,
+        )
+        if self._sm_count is None:
+            self._sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
+        splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count)
+        triton_decode.decode_attention(q, kv_cache, fmt, table, seq_lens, self.scale, splits, out)

@@ -1,0 +1,274 @@
+"""OSCAR Triton kernels on a GPU, against BF16 baselines timed in the same run.
+
+* Decode attention: batch x context x (Hq, Hkv, D); split-KV INT2 decode
+  (store excluded) against torch SDPA (flash) over BF16 K/V, with effective
+  bandwidth over the bytes each really reads, and the device's read bandwidth
+  measured here.
+* Write path: the fused store for a prefill-sized batch of tokens, against
+  the bandwidth ceiling.
+* Model projection: Qwen3-4B at 100K context, batch as the H200's memory
+  allows for each cache, from measured attention, store and GEMM times.
+
+    python benchmarks/oscar_kernels.py [--quick]
+
+Writes ``benchmarks/results/oscar_kernels.json`` and ``docs/kernels.md`` (or
+``$OUT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from vllm_kvq.kernels.oscar import reference as ref
+from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.oscar.triton_decode import decode_attention, num_splits
+from vllm_kvq.kernels.oscar.triton_store import store_tokens
+
+REPO = Path(__file__).resolve().parents[1]
+DEV = "cuda"
+SHAPES = [(32, 8, 128), (96, 8, 128)]
+BATCHES = [1, 8, 32]
+CONTEXTS = [8192, 32768, 100_000]
+
+
+def fmt_for(d: int = 128) -> OscarFormat:
+    return OscarFormat(head_size=d, group_size=128, block_size=128, sink=64, window=256)
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of a large on-device reduction (a pure read)."""
+    x = torch.empty(4 << 30, dtype=torch.uint8, device=DEV).view(torch.float32)
+    x.fill_(1.0)
+    ms = do_bench(lambda: x.sum(), warmup=5, rep=50)
+    del x
+    return (4 << 30) / (ms * 1e-3)
+
+
+def make_cache(fmt: OscarFormat, batch: int, ctx: int, hkv: int, gen: torch.Generator):
+    """A paged cache of ``batch`` requests of ``ctx`` tokens, blocks shuffled, valid scales."""
+    per_req = fmt.state_blocks + math.ceil(ctx / fmt.block_size)
+    nblocks = batch * per_req + 1
+    cache = torch.randint(0, 256, (nblocks, hkv, fmt.block_size, fmt.bytes_per_token), dtype=torch.uint8,
+                          device=DEV, generator=gen)
+    pages = ref.PageViews(cache, fmt)
+    pages.state.copy_(torch.randn(pages.state.shape, device=DEV, generator=gen) * 0.5)  # spans whole blocks
+    for scale in (pages.k_scale, pages.v_scale):
+        scale[..., 0].copy_(torch.rand(scale[..., 0].shape, device=DEV, generator=gen) * 0.1 + 0.01)
+        scale[..., 1].copy_(torch.rand(scale[..., 1].shape, device=DEV, generator=gen) * -0.2)
+    perm = torch.randperm(nblocks - 1, device=DEV, generator=gen) + 1
+    table = perm[: batch * per_req].view(batch, per_req).to(torch.int32)
+    return cache, table
+
+
+def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> int:
+    int2 = max(ctx - fmt.sink - fmt.window, 0) * fmt.bytes_per_token
+    bf16 = min(ctx, fmt.sink + fmt.window) * fmt.state_row_bytes
+    return batch * hkv * (int2 + bf16) + batch * hq * fmt.head_size * 4
+
+
+def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen) -> dict:
+    fmt = fmt_for(d)
+    cache, table = make_cache(fmt, batch, ctx, hkv, gen)
+    q = torch.randn(batch, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    out = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=DEV)
+    splits = num_splits(batch, hkv, ctx, sms)
+    ms_oscar = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, d ** -0.5, splits, out),
+                        warmup=10, rep=100)
+    nbytes = oscar_bytes(fmt, batch, ctx, hkv, hq)
+    del cache, table
+
+    # BF16 baseline: flash SDPA with the query heads of each KV head as its queries (GQA).
+    k = torch.randn(batch, hkv, ctx, d, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, hkv, ctx, d, device=DEV, generator=gen).to(torch.bfloat16)
+    qg = q.view(batch, hkv, hq // hkv, d)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ms_bf16 = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(qg, k, v), warmup=10, rep=100)
+    bf16_bytes = 2 * k.numel() * 2
+    del k, v
+    torch.cuda.empty_cache()
+    return {"hq": hq, "hkv": hkv, "d": d, "batch": batch, "context": ctx, "splits": splits,
+            "oscar_ms": ms_oscar, "oscar_bytes": nbytes, "oscar_gbps": nbytes / ms_oscar / 1e6,
+            "bf16_sdpa_ms": ms_bf16, "bf16_bytes": bf16_bytes, "bf16_gbps": bf16_bytes / ms_bf16 / 1e6,
+            "speedup": ms_bf16 / ms_oscar}
+
+
+def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
+    """The fused store of ``tokens`` new tokens of one request (a prefill chunk)."""
+    fmt = fmt_for(d)
+    cache, table = make_cache(fmt, 1, tokens, hkv, gen)
+    k = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, device=DEV, generator=gen))[0].contiguous()
+    pos = torch.arange(tokens, dtype=torch.int32, device=DEV)
+    req = torch.zeros(tokens, dtype=torch.int32, device=DEV)
+    end = torch.full((tokens,), tokens, dtype=torch.int32, device=DEV)
+    res = {"tokens": tokens, "hkv": hkv, "d": d}
+    for name, r in (("store_rotated", rot), ("store_unrotated", None)):
+        ms = do_bench(lambda: store_tokens(cache, fmt, k, v, r, pos, req, end, table, 0.96, 0.92), warmup=10, rep=50)
+        moved = 2 * k.numel() * 2 + tokens * hkv * fmt.bytes_per_token
+        moved += min(tokens, fmt.sink + fmt.window) * hkv * fmt.state_row_bytes
+        if r is not None:
+            moved += tokens * hkv * d * 2  # rotated keys handed back
+        res[name] = {"ms": ms, "bytes": moved, "gbps": moved / ms / 1e6}
+    copy_src = torch.empty(2 * k.numel() * 2, dtype=torch.uint8, device=DEV)
+    copy_dst = torch.empty_like(copy_src)
+    ms = do_bench(lambda: copy_dst.copy_(copy_src), warmup=10, rep=50)
+    res["bf16_cache_copy"] = {"ms": ms, "bytes": 2 * copy_src.numel(), "gbps": 2 * copy_src.numel() / ms / 1e6}
+    return res
+
+
+def gemm_ms(batch: int, shapes: list[tuple[int, int]], gen) -> float:
+    """One decoder layer's linear layers at ``batch`` tokens, bf16."""
+    total = 0.0
+    for k_in, n_out in shapes:
+        x = torch.randn(batch, k_in, device=DEV, generator=gen).to(torch.bfloat16)
+        w = torch.randn(n_out, k_in, device=DEV, generator=gen).to(torch.bfloat16)
+        total += do_bench(lambda: torch.nn.functional.linear(x, w), warmup=10, rep=50)
+    return total
+
+
+def project_qwen3_4b(read_bps: float, sms: int, gen) -> dict:
+    """Decode tokens/s of Qwen3-4B at 100K context on one H200, BF16 vs OSCAR."""
+    layers, hidden, hq, hkv, d, inter, vocab = 36, 2560, 32, 8, 128, 9728, 151936
+    ctx = 100_000
+    fmt = fmt_for(d)
+    weights = 8.05e9  # bytes of the bf16 checkpoint
+    memory = 0.9 * 141e9 - weights - 4e9  # utilization 0.9, 4 GB activations/workspace
+    bf16_req = layers * hkv * ctx * d * 2 * 2
+    oscar_req = layers * hkv * (ctx * fmt.bytes_per_token + fmt.state_blocks * fmt.block_bytes)
+    batches = {"bf16": int(memory // bf16_req), "oscar": int(memory // oscar_req)}
+    shapes = [(hidden, (hq + 2 * hkv) * d), (hq * d, hidden), (hidden, 2 * inter), (inter, hidden)]
+    res = {"context": ctx, "batch": batches, "bytes_per_request": {"bf16": bf16_req, "oscar": oscar_req}}
+    for name, b in batches.items():
+        if name == "bf16":
+            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["bf16_sdpa_ms"]
+            store = 0.0
+        else:
+            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["oscar_ms"]
+            store = bench_store_decode(b, hkv, d, gen)
+        lin = gemm_ms(b, shapes, gen)
+        head = gemm_ms(b, [(hidden, vocab)], gen)
+        step = layers * (attn + store + lin) + head
+        res[name] = {"attention_ms_per_layer": attn, "store_ms_per_layer": store, "linear_ms_per_layer": lin,
+                     "lm_head_ms": head, "step_ms": step, "tokens_per_s": b / step * 1e3}
+    res["speedup"] = res["oscar"]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    return res
+
+
+def bench_store_decode(batch: int, hkv: int, d: int, gen) -> float:
+    fmt = fmt_for(d)
+    cache, table = make_cache(fmt, batch, 1024, hkv, gen)
+    k = torch.randn(batch, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    rot = torch.linalg.qr(torch.randn(hkv, d, d, device=DEV, generator=gen))[0].contiguous()
+    seq = torch.full((batch,), 1024, dtype=torch.int32, device=DEV)
+    req = torch.arange(batch, dtype=torch.int32, device=DEV)
+    return do_bench(lambda: store_tokens(cache, fmt, k, v, rot, seq - 1, req, seq, table, 0.96, 0.92),
+                    warmup=10, rep=50)
+
+
+def render(res: dict) -> str:
+    bw = res["read_bandwidth_gbps"]
+    lines = [
+        "# OSCAR kernels on the H200",
+        "",
+        f"Measured by `python benchmarks/oscar_kernels.py` on {res['device']} ({res['date']}).",
+        f"Device read bandwidth measured in the same run (a 4 GiB reduction): **{bw:.0f} GB/s**.",
+        "",
+        "## Decode attention (one query token per request, per layer)",
+        "",
+        "OSCAR: split-KV INT2 decode + BF16 sink/window + LSE merge (default format: G=128, KB=128,"
+        " S0=64, W=256). BF16: torch SDPA (flash) over dense BF16 K/V, the query heads of a KV head as its"
+        " queries. Bandwidth = bytes each really reads / time.",
+        "",
+        "| Hq/Hkv/D | batch | context | OSCAR ms | OSCAR GB/s (% of read bw) | BF16 SDPA ms | BF16 GB/s | speed-up |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in res["decode"]:
+        lines.append(
+            f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | {r['oscar_ms']:.3f} | "
+            f"{r['oscar_gbps']:.0f} ({100 * r['oscar_gbps'] / bw:.0f}%) | {r['bf16_sdpa_ms']:.3f} | "
+            f"{r['bf16_gbps']:.0f} | {r['speedup']:.2f}x |")
+    s = res["store"]
+    lines += [
+        "",
+        "## Write path",
+        "",
+        f"Fused store of {s['tokens']:,} new tokens x {s['hkv']} KV heads (one prefill chunk): read K/V BF16,"
+        " write INT2 pages (+ BF16 sink/window rows).",
+        "",
+        "| kernel | ms | GB/s (% of read bw) |",
+        "|---|---|---|",
+    ]
+    for name in ("store_rotated", "store_unrotated", "bf16_cache_copy"):
+        lines.append(f"| {name} | {s[name]['ms']:.3f} | {s[name]['gbps']:.0f} ({100 * s[name]['gbps'] / bw:.0f}%) |")
+    if "projection" in res:
+        p = res["projection"]
+        lines += [
+            "",
+            "## Model-level projection: Qwen3-4B, 100K context, one H200",
+            "",
+            "Batch = requests whose KV fits in 0.9 x 141 GB minus weights and 4 GB workspace. Step time = 36 x"
+            " (attention + store + the layer's linear layers, each timed above at that batch) + lm_head."
+            " Norms, RoPE, sampling and scheduling are left out.",
+            "",
+            "| cache | batch | attention ms/layer | store ms/layer | linear ms/layer | step ms | tokens/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name in ("bf16", "oscar"):
+            r = p[name]
+            lines.append(f"| {name} | {p['batch'][name]} | {r['attention_ms_per_layer']:.3f} | "
+                         f"{r['store_ms_per_layer']:.3f} | {r['linear_ms_per_layer']:.3f} | {r['step_ms']:.1f} | "
+                         f"{r['tokens_per_s']:.0f} |")
+        lines += ["", f"Projected decode speed-up: **{p['speedup']:.2f}x**."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="one shape, B=32 only")
+    ap.add_argument("--render-only", metavar="JSON")
+    args = ap.parse_args()
+    out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
+    if args.render_only:
+        res = json.loads(Path(args.render_only).read_text())
+        (REPO / "docs" / "kernels.md").write_text(render(res))
+        return
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    res = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+           "torch": torch.__version__, "triton": triton.__version__, "sms": sms}
+    res["read_bandwidth_gbps"] = read_bandwidth() / 1e9
+    print(f"read bandwidth {res['read_bandwidth_gbps']:.0f} GB/s", flush=True)
+    res["decode"] = []
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    for hq, hkv, d in shapes:
+        for b in ([32] if args.quick else BATCHES):
+            for ctx in CONTEXTS:
+                r = bench_decode(hq, hkv, d, b, ctx, sms, gen)
+                res["decode"].append(r)
+                print(json.dumps(r), flush=True)
+    res["store"] = bench_store(16384, 8, 128, gen)
+    print(json.dumps(res["store"]), flush=True)
+    res["projection"] = project_qwen3_4b(res["read_bandwidth_gbps"] * 1e9, sms, gen)
+    print(json.dumps(res["projection"]), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "oscar_kernels.json").write_text(json.dumps(res, indent=2))
+    (out_dir / "kernels.md").write_text(render(res))
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()
