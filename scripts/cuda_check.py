@@ -132,6 +132,8 @@ def main() -> None:
         "oscar_hadamard": ("OSCAR", json.dumps({"rotation": "hadamard"})),
         "oscar_calibrated": ("OSCAR", json.dumps({"artifact": str(artifact)})),
     }
+    if len(sys.argv) > 1:  # a subset, e.g. ``bf16 oscar_hadamard``
+        runs = {name: runs[name] for name in sys.argv[1:]}
     results = {}
     for name, (backend, kvq) in runs.items():
         path = MODEL_DIR.parent / f"kvq_cuda_{name}.json"
@@ -139,7 +141,7 @@ def main() -> None:
         results[name] = json.loads(path.read_text())
     base = results["bf16"]
     summary["bf16"] = {"kv_cache_size_tokens": base["kv_cache_size_tokens"]}
-    for name in ("oscar_hadamard", "oscar_calibrated"):
+    for name in [n for n in results if n != "bf16"]:
         r = results[name]
         summary[name] = {"kv_cache_size_tokens": r["kv_cache_size_tokens"],
                          "capacity_vs_bf16": r["kv_cache_size_tokens"] / base["kv_cache_size_tokens"],

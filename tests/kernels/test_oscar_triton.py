@@ -110,10 +110,10 @@ def test_decode_matches_reference(shape, splits):
         k = torch.randn(n, h, d, generator=gen, device="cpu").to(DEV)
         v = torch.randn(n, h, d, generator=gen, device="cpu").to(DEV)
         q = torch.randn(n, hq, d, generator=gen, device="cpu").to(DEV)
-        if n > 1:  # the context, in two chunks
-            cut = (n - 1) // 2
-            ref.attend_and_write(pages, fmt, tdev[i], 0, q[:cut], k[:cut], v[:cut], 0.96, 0.92, d ** -0.5)
-            ref.attend_and_write(pages, fmt, tdev[i], cut, q[cut:-1], k[cut:-1], v[cut:-1], 0.96, 0.92, d ** -0.5)
+        chunk = max((n - 1) // 2, 1024)  # the context in chunks (bounded reference memory)
+        for c in range(0, n - 1, chunk):
+            e = min(c + chunk, n - 1)
+            ref.attend_and_write(pages, fmt, tdev[i], c, q[c:e], k[c:e], v[c:e], 0.96, 0.92, d ** -0.5)
         want.append(ref.attend_and_write(pages, fmt, tdev[i], n - 1, q[-1:], k[-1:], v[-1:], 0.96, 0.92,
                                          d ** -0.5)[0])
         q_last.append(q[-1])
@@ -122,6 +122,7 @@ def test_decode_matches_reference(shape, splits):
                      d ** -0.5, splits, out)
     want = torch.stack(want)
     err = (out - want).abs().max().item()
+    print(f"max |triton - reference| {err:.2e}, mean {(out - want).abs().mean().item():.2e}")
     # q, scaled probabilities and BF16 rows pass through fp16 for the tensor cores.
-    assert err < 2e-2, err
-    assert (out - want).abs().mean().item() < 2e-3
+    assert err < 5e-3, err
+    assert (out - want).abs().mean().item() < 5e-4

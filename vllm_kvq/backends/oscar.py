@@ -288,5 +288,6 @@ class OscarImpl(AttentionImpl):
         )
         if self._sm_count is None:
             self._sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count)
+        splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count,
+                                          fmt.block_size)
         triton_decode.decode_attention(q, kv_cache, fmt, table, seq_lens, self.scale, splits, out)

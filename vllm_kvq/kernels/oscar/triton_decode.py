@@ -27,53 +27,50 @@ import triton.language as tl
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
 LOG2E = 1.4426950408889634
+LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
-def _quarter_scores(qj, qsum_j, codes, SHIFT: tl.constexpr, s, m):
-    """Scores of one quarter of the head dim: ``s * (q.code) + m * sum(q)``."""
-    cj = ((codes >> SHIFT) & 3).to(tl.float16)
-    dots = tl.dot(qj, tl.trans(cj))
-    return dots * s[None, :] + qsum_j[:, None] * m[None, :]
-
-
-@triton.jit
-def _quarter_values(acc, p, alpha, codes, SHIFT: tl.constexpr, s, m):
-    """``acc * alpha + p @ (code * s + m)`` for one quarter of the head dim."""
-    cj = ((codes >> SHIFT) & 3).to(tl.float16)
-    pv = tl.dot((p * s[None, :]).to(tl.float16), cj)
-    return acc * alpha[:, None] + pv + tl.sum(p * m[None, :], axis=1)[:, None]
+def _codes_plus_1024(codes, SHIFT: tl.constexpr):
+    """fp16 ``1024 + code`` for one quarter, built from bits (``0x6400 | code``):
+    no int-to-float conversion, which would cost more than the memory read."""
+    return (((codes >> SHIFT) & 3) | 0x6400).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, split,
                 H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
                 WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                GP: tl.constexpr, BLOCK_N: tl.constexpr):
+                GP: tl.constexpr):
+    """One slice of whole pages of the INT2 range ``[S0, L - W)``.
+
+    A tile is one page (KB tokens): its codes and scales are contiguous. Per
+    quarter j of the head dim, with c' = 1024 + code in fp16 and per-row (s, m):
+    ``q.k = s (q.c' - 1024 sum q) + m sum q``; the value side is the same with
+    ``p * s`` in place of q.
+    """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
+    # quarters 0, 1 use group GA, quarters 2, 3 group GB (NG is 1 or 2)
+    GA: tl.constexpr = 0
+    GB: tl.constexpr = NG - 1
     d4 = tl.arange(0, D4)
-    q0 = tl.load(q_base[:, None] + d4[None, :], mask=qmask[:, None], other=0.0)
-    q1 = tl.load(q_base[:, None] + D4 + d4[None, :], mask=qmask[:, None], other=0.0)
-    q2 = tl.load(q_base[:, None] + 2 * D4 + d4[None, :], mask=qmask[:, None], other=0.0)
-    q3 = tl.load(q_base[:, None] + 3 * D4 + d4[None, :], mask=qmask[:, None], other=0.0)
-    q0, q1, q2, q3 = q0.to(tl.float16), q1.to(tl.float16), q2.to(tl.float16), q3.to(tl.float16)
-    qs0 = tl.sum(q0.to(tl.float32), axis=1)
-    qs1 = tl.sum(q1.to(tl.float32), axis=1)
-    qs2 = tl.sum(q2.to(tl.float32), axis=1)
-    qs3 = tl.sum(q3.to(tl.float32), axis=1)
-    # group of each quarter (G is a multiple of D/4)
-    G0: tl.constexpr = 0
-    G1: tl.constexpr = D4 // G
-    G2: tl.constexpr = 2 * D4 // G
-    G3: tl.constexpr = 3 * D4 // G
+    t = tl.arange(0, KB)
+    q0 = tl.load(q_base[:, None] + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
+    q1 = tl.load(q_base[:, None] + D4 + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
+    q2 = tl.load(q_base[:, None] + 2 * D4 + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
+    q3 = tl.load(q_base[:, None] + 3 * D4 + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
+    qsa = tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1)
+    qsb = tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
 
     lo = SINK
     hi = tl.maximum(L - WINDOW, SINK)
-    per = tl.cdiv(tl.cdiv(hi - lo, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = lo + split * per
-    stop = tl.minimum(start + per, hi)
+    first_page = lo // KB
+    n_pages = tl.where(hi > lo, tl.cdiv(hi, KB) - first_page, 0)
+    per = tl.cdiv(n_pages, NUM_SPLITS)
+    page_lo = first_page + split * per
+    page_hi = tl.minimum(page_lo + per, first_page + n_pages)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -81,23 +78,34 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     a1 = tl.zeros([GP, D4], tl.float32)
     a2 = tl.zeros([GP, D4], tl.float32)
     a3 = tl.zeros([GP, D4], tl.float32)
-    for t0 in range(start, stop, BLOCK_N):
-        pos = t0 + tl.arange(0, BLOCK_N)
-        ok = pos < stop
-        blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=ok, other=0).to(tl.int64)
-        off = pos % KB
+    for page in range(page_lo, page_hi):
+        pos = page * KB + t
+        ok = (pos >= lo) & (pos < hi)
+        blk = tl.load(row + STATE_BLOCKS + page).to(tl.int64)
         base = (blk * H + h) * BLOCK_BYTES
-        kc = tl.load(cache_u8 + base[:, None] + off[:, None] * D4 + d4[None, :], mask=ok[:, None], other=0)
-        kc = kc.to(tl.int32)
-        ksm = (base + KB * (D // 2) + off * (4 * NG)) // 2
-        s = _quarter_scores(q0, qs0, kc, 0, tl.load(cache_f16 + ksm + 2 * G0, mask=ok, other=0.0).to(tl.float32),
-                            tl.load(cache_f16 + ksm + 2 * G0 + 1, mask=ok, other=0.0).to(tl.float32))
-        s += _quarter_scores(q1, qs1, kc, 2, tl.load(cache_f16 + ksm + 2 * G1, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + ksm + 2 * G1 + 1, mask=ok, other=0.0).to(tl.float32))
-        s += _quarter_scores(q2, qs2, kc, 4, tl.load(cache_f16 + ksm + 2 * G2, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + ksm + 2 * G2 + 1, mask=ok, other=0.0).to(tl.float32))
-        s += _quarter_scores(q3, qs3, kc, 6, tl.load(cache_f16 + ksm + 2 * G3, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + ksm + 2 * G3 + 1, mask=ok, other=0.0).to(tl.float32))
+        codes = base + t[:, None] * D4 + d4[None, :]
+        kc = tl.load(cache_u8 + codes).to(tl.int16)
+        vc = tl.load(cache_u8 + KB * D4 + codes).to(tl.int16)
+        ksm = (base + KB * (D // 2)) // 2 + t * (2 * NG)
+        vsm = ksm + KB * (2 * NG)
+        ks_a = tl.load(cache_f16 + ksm + 2 * GA).to(tl.float32)
+        km_a = tl.load(cache_f16 + ksm + 2 * GA + 1).to(tl.float32)
+        ks_b = tl.load(cache_f16 + ksm + 2 * GB).to(tl.float32)
+        km_b = tl.load(cache_f16 + ksm + 2 * GB + 1).to(tl.float32)
+        vs_a = tl.load(cache_f16 + vsm + 2 * GA).to(tl.float32)
+        vm_a = tl.load(cache_f16 + vsm + 2 * GA + 1).to(tl.float32)
+        vs_b = tl.load(cache_f16 + vsm + 2 * GB).to(tl.float32)
+        vm_b = tl.load(cache_f16 + vsm + 2 * GB + 1).to(tl.float32)
+        # rows past the range may hold stale bytes: keep them out of p * s
+        vs_a = tl.where(ok, vs_a, 0.0)
+        vm_a = tl.where(ok, vm_a, 0.0)
+        vs_b = tl.where(ok, vs_b, 0.0)
+        vm_b = tl.where(ok, vm_b, 0.0)
+
+        dot_a = tl.dot(q0, tl.trans(_codes_plus_1024(kc, 0))) + tl.dot(q1, tl.trans(_codes_plus_1024(kc, 2)))
+        dot_b = tl.dot(q2, tl.trans(_codes_plus_1024(kc, 4))) + tl.dot(q3, tl.trans(_codes_plus_1024(kc, 6)))
+        s = ((dot_a - 1024.0 * qsa[:, None]) * ks_a[None, :] + qsa[:, None] * km_a[None, :]
+             + (dot_b - 1024.0 * qsb[:, None]) * ks_b[None, :] + qsb[:, None] * km_b[None, :])
         s = tl.where(ok[None, :], s, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -106,17 +114,14 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         l_i = l_i * alpha + tl.sum(p, axis=1)
         m_i = m_new
 
-        vc = tl.load(cache_u8 + base[:, None] + KB * D4 + off[:, None] * D4 + d4[None, :],
-                     mask=ok[:, None], other=0).to(tl.int32)
-        vsm = ksm + KB * 2 * NG
-        a0 = _quarter_values(a0, p, alpha, vc, 0, tl.load(cache_f16 + vsm + 2 * G0, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + vsm + 2 * G0 + 1, mask=ok, other=0.0).to(tl.float32))
-        a1 = _quarter_values(a1, p, alpha, vc, 2, tl.load(cache_f16 + vsm + 2 * G1, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + vsm + 2 * G1 + 1, mask=ok, other=0.0).to(tl.float32))
-        a2 = _quarter_values(a2, p, alpha, vc, 4, tl.load(cache_f16 + vsm + 2 * G2, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + vsm + 2 * G2 + 1, mask=ok, other=0.0).to(tl.float32))
-        a3 = _quarter_values(a3, p, alpha, vc, 6, tl.load(cache_f16 + vsm + 2 * G3, mask=ok, other=0.0).to(tl.float32),
-                             tl.load(cache_f16 + vsm + 2 * G3 + 1, mask=ok, other=0.0).to(tl.float32))
+        pa = (p * vs_a[None, :]).to(tl.float16)
+        pb = (p * vs_b[None, :]).to(tl.float16)
+        off_a = tl.sum(p * vm_a[None, :], axis=1) - 1024.0 * tl.sum(pa.to(tl.float32), axis=1)
+        off_b = tl.sum(p * vm_b[None, :], axis=1) - 1024.0 * tl.sum(pb.to(tl.float32), axis=1)
+        a0 = a0 * alpha[:, None] + tl.dot(pa, _codes_plus_1024(vc, 0)) + off_a[:, None]
+        a1 = a1 * alpha[:, None] + tl.dot(pa, _codes_plus_1024(vc, 2)) + off_a[:, None]
+        a2 = a2 * alpha[:, None] + tl.dot(pb, _codes_plus_1024(vc, 4)) + off_b[:, None]
+        a3 = a3 * alpha[:, None] + tl.dot(pb, _codes_plus_1024(vc, 6)) + off_b[:, None]
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     tl.store(o_base[:, None] + d4[None, :], a0 * inv[:, None], mask=qmask[:, None])
@@ -179,7 +184,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     o_base = o_ptr + part * D
     if split < NUM_SPLITS:
         _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr + part, L, split,
-                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, NUM_SPLITS, GP, BLOCK_N)
+                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, NUM_SPLITS, GP)
     else:
         _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L,
                    H, h, D, G, KB, SINK, WINDOW, ROWS, GP, BLOCK_N)
@@ -201,12 +206,12 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexp
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
-def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_n: int = 64) -> int:
-    """INT2 splits per (request, KV head): about four programs per SM, but
-    never slices shorter than four tiles."""
-    want = math.ceil(4 * sm_count / max(batch * kv_heads, 1))
-    longest = max(1, max_context // (4 * block_n))
-    return max(1, min(want, longest, 128))
+def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
+    """INT2 splits per (request, KV head): about eight programs per SM, each
+    slice at least two pages long."""
+    want = math.ceil(8 * sm_count / max(batch * kv_heads, 1))
+    longest = max(1, max_context // (2 * block_size))
+    return max(1, min(want, longest, 256))
 
 
 def decode_attention(
@@ -218,15 +223,18 @@ def decode_attention(
     scale: float,
     splits: int,
     out: torch.Tensor,
-    block_n: int = 64,
+    launch: dict | None = None,
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (rotated; position ``seq_lens - 1``, its
-    own K/V already stored) over each request's cache, into ``out [B, Hq, D]``."""
+    own K/V already stored) over each request's cache, into ``out [B, Hq, D]``.
+    ``launch``: Triton launch options (num_warps, num_stages), default LAUNCH."""
     b, hq, d = q.shape
     h = kv_cache.shape[1]
     group = hq // h
-    if d % 4 or fmt.group_size % (d // 4):
-        raise ValueError(f"OSCAR Triton decode needs group_size a multiple of head_size/4, got {fmt.group_size}")
+    if fmt.groups not in (1, 2) or fmt.block_size < 16:
+        raise ValueError(
+            f"OSCAR Triton decode needs group_size head_size or head_size/2 and block_size >= 16, "
+            f"got {fmt.group_size} and {fmt.block_size}")
     if b == 0:
         return out
     parts = splits + 1
@@ -238,7 +246,8 @@ def decode_attention(
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16), o_part, lse_part,
         h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
-        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block, NUM_SPLITS=splits, BLOCK_N=block_n,
+        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block, NUM_SPLITS=splits, BLOCK_N=64,
+        **(launch or LAUNCH),
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), HQ=hq, D=d,
                            PARTS=parts, PARTS_P=triton.next_power_of_2(parts))

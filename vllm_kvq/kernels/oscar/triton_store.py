@@ -16,12 +16,20 @@ from vllm_kvq.kernels.oscar.format import OscarFormat
 
 
 @triton.jit
-def _clip(x, ratio_idx, D: tl.constexpr):
-    """Clamp each row of ``x [T, D]`` at ``sort(|x|)[ratio_idx]`` (no-op if idx < 0)."""
-    if ratio_idx >= 0:
+def _clip(x, n_above, D: tl.constexpr):
+    """Clamp each row of ``x [T, D]`` at its ``|x|`` order statistic that has
+    ``n_above`` entries above it (``sort(|x|)[D - 1 - n_above]``; no-op if < 0).
+
+    Removes the largest entry ``n_above`` times, one position at a time, so ties
+    count as a sort would count them; a few row reductions instead of a sort.
+    """
+    if n_above >= 0:
         cols = tl.arange(0, D)
-        srt = tl.sort(tl.abs(x), dim=1)
-        thr = tl.sum(tl.where(cols[None, :] == ratio_idx, srt, 0.0), axis=1)
+        a = tl.abs(x)
+        for _ in range(0, n_above):
+            top = tl.argmax(a, axis=1)
+            a = tl.where(cols[None, :] == top[:, None], -1.0, a)
+        thr = tl.max(a, axis=1)
         x = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None])
     return x
 
@@ -57,7 +65,7 @@ def _store_kernel(
     k_ptr, v_ptr, rot_ptr, k_out_ptr,
     pos_ptr, req_ptr, end_ptr, bt_ptr, bt_stride,
     cache_u8, cache_f16, cache_bf16,
-    n_tokens, k_clip_idx, v_clip_idx,
+    n_tokens, k_clip_above, v_clip_above,
     stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
@@ -93,9 +101,9 @@ def _store_kernel(
     blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=tok_ok, other=0).to(tl.int64)
     off = pos % KB
     base = (blk * H + h) * BLOCK_BYTES
-    _quantize_store(_clip(k_bf.to(tl.float32), k_clip_idx, D), cache_u8 + base + off * D4,
+    _quantize_store(_clip(k_bf.to(tl.float32), k_clip_above, D), cache_u8 + base + off * D4,
                     cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, tok_ok, BLOCK_T, D, G)
-    _quantize_store(_clip(v_bf.to(tl.float32), v_clip_idx, D), cache_u8 + base + KB * D4 + off * D4,
+    _quantize_store(_clip(v_bf.to(tl.float32), v_clip_above, D), cache_u8 + base + KB * D4 + off * D4,
                     cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
                     tok_ok, BLOCK_T, D, G)
 
@@ -109,9 +117,10 @@ def _store_kernel(
     tl.store(cache_bf16 + sbase[:, None] + D + cols[None, :], v_bf, mask=keep[:, None])
 
 
-def clip_index(ratio: float, d: int) -> int:
-    """The order statistic :func:`reference.clip_rows` clamps at (-1: no clip)."""
-    return -1 if ratio >= 1.0 else min(int(ratio * d), d - 1)
+def entries_above_clip(ratio: float, d: int) -> int:
+    """How many entries of a row lie above the order statistic that
+    :func:`reference.clip_rows` clamps at (-1: no clip)."""
+    return -1 if ratio >= 1.0 else d - 1 - min(int(ratio * d), d - 1)
 
 
 def store_tokens(
@@ -143,13 +152,13 @@ def store_tokens(
     if rotate:
         k_rotation = k_rotation.to(torch.float32).contiguous()
     k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
-    block_t = 32
+    block_t = 16 if n <= 256 else 64
     grid = (triton.cdiv(n, block_t), h)
     _store_kernel[grid](
         k, v, k_rotation if rotate else k, k_out,
         positions, request, seq_end, block_table, block_table.stride(0),
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16),
-        n, clip_index(k_clip, d), clip_index(v_clip, d),
+        n, entries_above_clip(k_clip, d), entries_above_clip(v_clip, d),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=h, D=d, G=fmt.group_size, KB=fmt.block_size,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
