@@ -262,6 +262,33 @@ def render(res: dict) -> str:
                          f"{r['store_ms_per_layer']:.3f} | {r['linear_ms_per_layer']:.3f} | {r['step_ms']:.1f} | "
                          f"{r['tokens_per_s']:.0f} |")
         lines += ["", f"Projected decode speed-up: **{p['speedup']:.2f}x**."]
+    check = REPO / "benchmarks" / "results" / "cuda_check.json"
+    if check.exists():
+        c = json.loads(check.read_text())
+        lines += [
+            "",
+            "## Inside vLLM on the H200 (`scripts/cuda_check.py`)",
+            "",
+            "house-qwen3 (bf16), 8 prompts of code, 32 greedy tokens, OSCAR (Hadamard, sink 64, window 256; decode"
+            " steps on the Triton kernels) against TRITON_ATTN. Margin = BF16's own top-1 minus top-2 logprob at the"
+            " first differing token.",
+            "",
+            "| run | prompts equal to BF16 | first divergence | BF16 margin there | mean / max abs dlogprob before it |",
+            "|---|---|---|---|---|",
+        ]
+        for name, r in c.items():
+            if not isinstance(r, dict) or "exact_200_tokens" not in r:
+                continue
+            for kind, label in (("exact_200_tokens", "200-token prompts (nothing INT2)"),
+                                ("int2_1500_tokens", "1500-token prompts (INT2 active)")):
+                x = r[kind]
+                lines.append(f"| {name}, {label} | {x['sequences_equal_to_bf16']} | {x['first_divergence']} | "
+                             f"{x['bf16_top2_margin_at_divergence']} | {x['logprob_absdiff_mean']:.4f} / "
+                             f"{x['logprob_absdiff_max']:.4f} |")
+        lines += ["", f"KV capacity at gpu_memory_utilization 0.3, max_model_len 4096: BF16 "
+                  f"{c['bf16']['kv_cache_size_tokens']:,} tokens, OSCAR {c['oscar_hadamard']['kv_cache_size_tokens']:,}"
+                  f" ({c['oscar_hadamard']['capacity_vs_bf16']:.2f}x; 18 BF16 state blocks per request weigh more at"
+                  " short max_model_len)."]
     return "\n".join(lines) + "\n"
 
 

@@ -1,6 +1,6 @@
 """The OSCAR backend in real vLLM on CUDA (reference ops on CUDA tensors).
 
-Runs on a GPU machine with vLLM 0.32 (``bash scripts/cuda_check.sh``):
+Runs on a GPU machine with vLLM 0.32 (``bash scripts/h200.sh`` runs it):
 
 1. the reference ops give the same bytes and outputs on CUDA as on CPU;
 2. house-qwen3 (carried int8, restored to bf16: scripts/pack_for_gpu.py)

@@ -7,7 +7,7 @@
 #   3. the CUDA check in real vLLM (scripts/cuda_check.py [runs]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source .gpu-vllm/env.sh
+[ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
