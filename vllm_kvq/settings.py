@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 CONFIG_KEY = "kvq"
 ROTATION_MODES = ("artifact", "none", "hadamard")
+KERNELS = ("auto", "reference", "triton")
 
 
 class SettingsError(ValueError):
@@ -46,6 +47,11 @@ class OscarSettings:
     v_clip: float | None = None
     """Per-token clip ratio for values. Default: the artifact's, else 1.0."""
 
+    kernels: str = "auto"
+    """``auto``: Triton on CUDA, the PyTorch reference elsewhere. ``reference``:
+    the reference everywhere (slow; for debugging). ``triton``: Triton
+    everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
+
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
@@ -71,6 +77,8 @@ class OscarSettings:
             raise SettingsError(
                 f"kvq.rotation must be one of {ROTATION_MODES}, got {self.rotation!r}"
             )
+        if self.kernels not in KERNELS:
+            raise SettingsError(f"kvq.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.rotation_mode == "artifact" and not self.artifact:
             raise SettingsError(
                 "kvq.rotation='artifact' needs kvq.artifact=<dir> "

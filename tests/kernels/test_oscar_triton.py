@@ -126,3 +126,61 @@ def test_decode_matches_reference(shape, splits):
     # q, scaled probabilities and BF16 rows pass through fp16 for the tensor cores.
     assert err < 5e-3, err
     assert (out - want).abs().mean().item() < 5e-4
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")
+def test_extend_matches_reference(shape):
+    """One batch of chunks: a first prefill, chunks that start inside the sink,
+    inside the window and far beyond it, shorter and longer than W; then the
+    pages after store (INT2) -> extend -> store (BF16) equal the reference's."""
+    from vllm_kvq.kernels.oscar.triton_extend import extend_attention, query_tiles
+
+    gen = torch.Generator().manual_seed(2)
+    fmt = _fmt(shape)
+    h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
+    w, s0 = fmt.window, fmt.sink
+    steps = [(0, 3 * w + 5), (s0 - 2, 5), (s0 + w // 2, 2 * w + 3), (4 * fmt.block_size + 3, w - 1),
+             (4 * fmt.block_size + 3, 1)]
+    if shape["d"] == 128:
+        steps += [(9000, 700)]
+    table, nblocks = _block_table(fmt, [c + t for c, t in steps], gen)
+    tdev = table.to(DEV)
+    cache = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    pages = ref.PageViews(cache, fmt)
+    scale = d ** -0.5
+    q_all, k_all, v_all = [], [], []
+    for i, (ctx, t) in enumerate(steps):
+        k = torch.randn(ctx + t, h, d, generator=gen).to(torch.bfloat16).to(DEV)
+        v = torch.randn(ctx + t, h, d, generator=gen).to(torch.bfloat16).to(DEV)
+        q = torch.randn(ctx + t, hq, d, generator=gen).to(DEV)
+        for c in range(0, ctx, 1024):  # the context, as earlier steps wrote it
+            e = min(c + 1024, ctx)
+            ref.attend_and_write(pages, fmt, tdev[i], c, q[c:e], k[c:e], v[c:e], 0.96, 0.92, scale)
+        q_all.append(q[ctx:])
+        k_all.append(k[ctx:])
+        v_all.append(v[ctx:])
+    q, k, v = torch.cat(q_all), torch.cat(k_all), torch.cat(v_all)
+
+    want_cache = cache.clone()
+    want_pages = ref.PageViews(want_cache, fmt)
+    want, at = [], 0
+    for i, (ctx, t) in enumerate(steps):
+        want.append(ref.attend_and_write(want_pages, fmt, tdev[i], ctx, q[at:at + t], k[at:at + t], v[at:at + t],
+                                         0.96, 0.92, scale))
+        at += t
+    want = torch.cat(want)
+
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    pos = ints([p for ctx, t in steps for p in range(ctx, ctx + t)])
+    req = ints([i for i, (_, t) in enumerate(steps) for _ in range(t)])
+    end = ints([ctx + t for ctx, t in steps for _ in range(t)])
+    firsts = [sum(t for _, t in steps[:i]) for i in range(len(steps))]
+    tiles = query_tiles([(i, firsts[i], t, ctx) for i, (ctx, t) in enumerate(steps)], DEV)
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEV)
+    store_tokens(cache, fmt, k, v, None, pos, req, end, tdev, 0.96, 0.92, state=False)
+    extend_attention(q, k, v, cache, fmt, tdev, tiles, scale, out)
+    store_tokens(cache, fmt, k, v, None, pos, req, end, tdev, 0.96, 0.92, data=False)
+    err = (out - want).abs().max().item()
+    print(f"max |triton - reference| {err:.2e}, mean {(out - want).abs().mean().item():.2e}")
+    assert err < 5e-3 and (out - want).abs().mean().item() < 5e-4
+    assert torch.equal(cache.cpu(), want_cache.cpu())

@@ -93,14 +93,32 @@ class OscarBackend(AttentionBackend):
         )
 
 
+def uses_triton(settings: kvq_settings.OscarSettings, device: torch.device) -> bool:
+    """The ``kernels`` setting: Triton on CUDA unless told otherwise."""
+    if settings.kernels == "auto":
+        return device.type == "cuda"
+    return settings.kernels == "triton"
+
+
+@dataclass
+class TokenIndex:
+    """Per-token position, request row and request length after this step,
+    and the query tiles of the multi-token requests (CUDA path only)."""
+
+    positions: torch.Tensor
+    request: torch.Tensor
+    seq_end: torch.Tensor
+    extend_tiles: torch.Tensor
+
+
 @dataclass
 class OscarMetadata:
     num_actual_tokens: int
     num_decodes: int  # leading requests with a single query token
     query_start_loc: list[int]
     seq_lens: list[int]
-    seq_lens_device: torch.Tensor
     block_table: torch.Tensor
+    tokens: TokenIndex | None
 
 
 class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
@@ -108,22 +126,45 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Single-token requests first: on CUDA they take the Triton decode path.
+        # Single-token requests first (the Triton decode path on CUDA).
         self._init_reorder_batch_threshold(1)
+        self._triton = uses_triton(kvq_settings.from_vllm_config(vllm_config), torch.device(device))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarMetadata:
         m = common_attn_metadata
         n = m.num_reqs
         num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        qsl = m.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = m.seq_lens[:n].cpu().tolist()
+        tokens = None
+        if self._triton:
+            tokens = self._token_index(m, num_decodes, qsl, seq_lens)
         return OscarMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_decodes=num_decodes,
-            query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
-            seq_lens=m.seq_lens[:n].cpu().tolist(),
-            seq_lens_device=m.seq_lens[:n],
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
             block_table=m.block_table_tensor[:n],
+            tokens=tokens,
         )
+
+    @staticmethod
+    def _token_index(m: CommonAttentionMetadata, num_decodes: int, qsl: list[int],
+                     seq_lens: list[int]) -> TokenIndex:
+        from vllm_kvq.kernels.oscar.triton_extend import query_tiles
+
+        n, nt = m.num_reqs, m.num_actual_tokens
+        loc = m.query_start_loc[: n + 1]
+        tok = torch.arange(nt, dtype=loc.dtype, device=loc.device)
+        req = torch.searchsorted(loc[1:], tok, right=True)
+        end = m.seq_lens[:n][req]
+        pos = end - (loc[req + 1] - tok)
+        first = qsl[num_decodes]
+        chunks = [(i, qsl[i] - first, qsl[i + 1] - qsl[i], seq_lens[i] - (qsl[i + 1] - qsl[i]))
+                  for i in range(num_decodes, n) if qsl[i + 1] > qsl[i]]
+        return TokenIndex(pos.to(torch.int32), req.to(torch.int32), end.to(torch.int32),
+                          query_tiles(chunks, loc.device))
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -147,8 +188,8 @@ def local_kv_heads(num_local_kv_heads: int, total_kv_heads: int) -> list[int]:
 
 
 class OscarImpl(AttentionImpl):
-    """INT2 + BF16 sink/window attention: on CUDA, single-token requests run the
-    fused Triton store and split-KV decode; everything else runs the reference ops."""
+    """INT2 + BF16 sink/window attention: Triton kernels on CUDA (store, split-KV
+    decode, extend), the PyTorch reference ops on CPU."""
 
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window=None, kv_cache_dtype: str = "auto",
@@ -248,46 +289,46 @@ class OscarImpl(AttentionImpl):
             q = self._rotate(q, self.k_rotation)
         out = output.view(-1, self.num_heads, d)
         md = attn_metadata
-        # On CUDA, single-token requests (sorted first) take the Triton path;
-        # the rest, and everything on CPU, the reference ops.
-        nd = md.num_decodes if query.is_cuda else 0
-        if nd:
-            self._decode_triton(q[:nd], k[:nd], v[:nd], kv_cache, fmt, md, out[:nd])
-        if nd == len(md.seq_lens):
+        if md.tokens is not None:
+            self._forward_triton(q, k, v, kv_cache, fmt, md, out)
             return output
         pages = reference.PageViews(kv_cache, fmt)
-        qsl = md.query_start_loc
-        first = qsl[nd]
-        k = k[first:n]
         if not self.k_identity:
             k = self._rotate(k, self.k_rotation)
-        for i in range(nd, len(md.seq_lens)):
+        qsl = md.query_start_loc
+        for i, seq_len in enumerate(md.seq_lens):
             start, end = qsl[i], qsl[i + 1]
             if end == start:
                 continue
-            ctx = md.seq_lens[i] - (end - start)
             res = reference.attend_and_write(
-                pages, fmt, md.block_table[i], ctx,
-                q[start:end], k[start - first:end - first], v[start:end],
-                self.k_clip, self.v_clip, self.scale,
+                pages, fmt, md.block_table[i], seq_len - (end - start),
+                q[start:end], k[start:end], v[start:end], self.k_clip, self.v_clip, self.scale,
             )
             out[start:end] = res.to(out.dtype)
         return output
 
-    def _decode_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:
-        """Single-token requests on CUDA: fused store, then split-KV decode."""
-        from vllm_kvq.kernels.oscar import triton_decode, triton_store
+    def _forward_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:
+        """CUDA: single-token requests store then run the split-KV decode;
+        multi-token chunks store their INT2 rows, attend, then store their
+        BF16 rows (their early queries still read the ring rows they replace)."""
+        from vllm_kvq.kernels.oscar import triton_decode, triton_extend, triton_store
 
-        nd = q.shape[0]
-        seq_lens = md.seq_lens_device[:nd]
-        table = md.block_table[:nd]
-        triton_store.store_tokens(
-            kv_cache, fmt, k, v, None if self.k_identity else self.k_rotation,
-            seq_lens - 1, torch.arange(nd, dtype=torch.int32, device=q.device), seq_lens, table,
-            self.k_clip, self.v_clip,
-        )
-        if self._sm_count is None:
-            self._sm_count = torch.cuda.get_device_properties(q.device).multi_processor_count
-        splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count,
-                                          fmt.block_size)
-        triton_decode.decode_attention(q, kv_cache, fmt, table, seq_lens, self.scale, splits, out)
+        tok, table = md.tokens, md.block_table
+        rot = None if self.k_identity else self.k_rotation
+        nd, n = md.num_decodes, md.num_actual_tokens
+        if nd:
+            triton_store.store_tokens(kv_cache, fmt, k[:nd], v[:nd], rot, tok.positions[:nd], tok.request[:nd],
+                                      tok.seq_end[:nd], table, self.k_clip, self.v_clip)
+            if self._sm_count is None:
+                self._sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                                  if q.is_cuda else 1)
+            splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count,
+                                              fmt.block_size)
+            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:nd], tok.seq_end[:nd], self.scale,
+                                           splits, out[:nd])
+        if n > nd:
+            idx = (tok.positions[nd:n], tok.request[nd:n], tok.seq_end[nd:n], table, self.k_clip, self.v_clip)
+            k_rot = triton_store.store_tokens(kv_cache, fmt, k[nd:n], v[nd:n], rot, *idx, state=False)
+            triton_extend.extend_attention(q[nd:n], k_rot, v[nd:n], kv_cache, fmt, table, tok.extend_tiles,
+                                           self.scale, out[nd:n])
+            triton_store.store_tokens(kv_cache, fmt, k_rot, v[nd:n], None, *idx, data=False)

@@ -69,7 +69,7 @@ def _store_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
-    ROTATE: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROTATE: tl.constexpr, DATA: tl.constexpr, STATE: tl.constexpr, BLOCK_T: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -97,24 +97,24 @@ def _store_kernel(
     end = tl.load(end_ptr + tok, mask=tok_ok, other=0)
     row = bt_ptr + req.to(tl.int64) * bt_stride
 
-    # INT2 rows in the data block of each position.
-    blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=tok_ok, other=0).to(tl.int64)
-    off = pos % KB
-    base = (blk * H + h) * BLOCK_BYTES
-    _quantize_store(_clip(k_bf.to(tl.float32), k_clip_above, D), cache_u8 + base + off * D4,
-                    cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, tok_ok, BLOCK_T, D, G)
-    _quantize_store(_clip(v_bf.to(tl.float32), v_clip_above, D), cache_u8 + base + KB * D4 + off * D4,
-                    cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
-                    tok_ok, BLOCK_T, D, G)
+    if DATA:  # INT2 rows in the data block of each position
+        blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=tok_ok, other=0).to(tl.int64)
+        off = pos % KB
+        base = (blk * H + h) * BLOCK_BYTES
+        _quantize_store(_clip(k_bf.to(tl.float32), k_clip_above, D), cache_u8 + base + off * D4,
+                        cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, tok_ok, BLOCK_T, D, G)
+        _quantize_store(_clip(v_bf.to(tl.float32), v_clip_above, D), cache_u8 + base + KB * D4 + off * D4,
+                        cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
+                        tok_ok, BLOCK_T, D, G)
 
-    # BF16 rows of the sink and of the last W positions of this chunk.
-    keep = tok_ok & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
-    slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
-    sblk = tl.load(row + slot // ROWS, mask=keep, other=0).to(tl.int64)
-    srow = slot % ROWS
-    sbase = (sblk * H + h) * (BLOCK_BYTES // 2) + srow * (2 * D)
-    tl.store(cache_bf16 + sbase[:, None] + cols[None, :], k_bf, mask=keep[:, None])
-    tl.store(cache_bf16 + sbase[:, None] + D + cols[None, :], v_bf, mask=keep[:, None])
+    if STATE:  # BF16 rows of the sink and of the last W positions of this chunk
+        keep = tok_ok & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
+        slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
+        sblk = tl.load(row + slot // ROWS, mask=keep, other=0).to(tl.int64)
+        srow = slot % ROWS
+        sbase = (sblk * H + h) * (BLOCK_BYTES // 2) + srow * (2 * D)
+        tl.store(cache_bf16 + sbase[:, None] + cols[None, :], k_bf, mask=keep[:, None])
+        tl.store(cache_bf16 + sbase[:, None] + D + cols[None, :], v_bf, mask=keep[:, None])
 
 
 def entries_above_clip(ratio: float, d: int) -> int:
@@ -135,6 +135,8 @@ def store_tokens(
     block_table: torch.Tensor,
     k_clip: float,
     v_clip: float,
+    data: bool = True,
+    state: bool = True,
 ) -> torch.Tensor:
     """Rotate ``k`` (``[N, H, D]``, unrotated) by ``k_rotation [H, D, D]`` and
     store ``k, v`` of every token in the paged cache.
@@ -142,6 +144,10 @@ def store_tokens(
     Per token: its ``positions``, ``request`` (row of ``block_table``) and
     ``seq_end`` (that request's length after this step). Returns the rotated
     keys in bf16 ``[N, H, D]`` (``k`` itself when there is no rotation).
+
+    ``data``/``state`` select the INT2 rows and the BF16 sink/window rows. A
+    multi-token chunk stores its INT2 rows, attends, then stores its BF16 rows:
+    its early queries still need the ring rows its later tokens overwrite.
     """
     n, h, d = k.shape
     if not kv_cache.is_contiguous():
@@ -162,6 +168,6 @@ def store_tokens(
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=h, D=d, G=fmt.group_size, KB=fmt.block_size,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        ROTATE=rotate, BLOCK_T=block_t,
+        ROTATE=rotate, DATA=data, STATE=state, BLOCK_T=block_t,
     )
     return k_out

@@ -1,0 +1,256 @@
+"""OSCAR prefill / extend: a chunk of query tokens over the request's INT2 +
+BF16 history and the chunk itself.
+
+Twin of :func:`reference.mixed_attention` as :func:`reference.attend_and_write`
+uses it: query t reads key s in BF16 iff ``s < S0`` or ``t - s < W``, INT2
+otherwise, causal, one exact softmax. Run it after the chunk's INT2 rows are
+stored and before its BF16 rows are (``triton_store.store_tokens`` with
+``state=False``, then this, then ``data=False``): its early queries need the
+ring rows that its later tokens overwrite.
+
+Grid ``(tiles, Hq)``; a tile is up to ``BLOCK_M`` consecutive query tokens of
+one request. Keys are visited in three ranges, so that only the last one pays
+for both precisions:
+
+* sink ``[0, S0)``: BF16 rows;
+* ``[S0, t_min - W]``: INT2 for every query of the tile;
+* ``(t_min - W, t_max]``: both, chosen per (query, key).
+
+BF16 rows of context positions come from the ring slots, of chunk positions
+from the chunk's own (rotated) keys and values.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm_kvq.kernels.oscar.format import OscarFormat
+
+LOG2E = 1.4426950408889634
+BLOCK_M = 32
+
+
+@triton.jit
+def _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, SHIFT_V: tl.constexpr, D: tl.constexpr,
+               G: tl.constexpr, KB: tl.constexpr, STATE_BLOCKS: tl.constexpr):
+    """Dequantized K (SHIFT_V=0) or V (1) rows of ``pos``, as four fp16 quarters."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
+    GB: tl.constexpr = NG - 1
+    d4 = tl.arange(0, D4)
+    blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=ok, other=0).to(tl.int64)
+    off = pos % KB
+    base = (blk * H + h) * BLOCK_BYTES
+    c = tl.load(cache_u8 + base[:, None] + SHIFT_V * KB * D4 + off[:, None] * D4 + d4[None, :],
+                mask=ok[:, None], other=0).to(tl.int32)
+    sm = (base + KB * (D // 2) + SHIFT_V * KB * 4 * NG) // 2 + off * (2 * NG)
+    sa = tl.load(cache_f16 + sm, mask=ok, other=0.0).to(tl.float32)[:, None]
+    ma = tl.load(cache_f16 + sm + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
+    sb = tl.load(cache_f16 + sm + 2 * GB, mask=ok, other=0.0).to(tl.float32)[:, None]
+    mb = tl.load(cache_f16 + sm + 2 * GB + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
+    x0 = ((c & 3).to(tl.float32) * sa + ma).to(tl.float16)
+    x1 = (((c >> 2) & 3).to(tl.float32) * sa + ma).to(tl.float16)
+    x2 = (((c >> 4) & 3).to(tl.float32) * sb + mb).to(tl.float16)
+    x3 = (((c >> 6) & 3).to(tl.float32) * sb + mb).to(tl.float16)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_h, H, h,
+               SHIFT_V: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+               SINK: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr):
+    """K (SHIFT_V=0) or V (1) BF16 rows of ``pos``: ring slots for context
+    positions, the chunk's own rows for the rest. Four fp16 quarters."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    HALF_BLOCK: tl.constexpr = KB * (D // 2 + 8 * NG) // 2
+    d4 = tl.arange(0, D4)
+    old = ok & (pos < ctx)
+    new = ok & (pos >= ctx)
+    slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
+    sblk = tl.load(row + slot // ROWS, mask=old, other=0).to(tl.int64)
+    ring = cache_bf16 + (sblk * H + h) * HALF_BLOCK + (slot % ROWS) * (2 * D) + SHIFT_V * D
+    chunk = new_ptr + (qstart + pos - ctx).to(tl.int64) * stride_t + h * stride_h
+    x0 = tl.load(ring[:, None] + d4[None, :], mask=old[:, None], other=0.0) + \
+        tl.load(chunk[:, None] + d4[None, :], mask=new[:, None], other=0.0)
+    x1 = tl.load(ring[:, None] + D4 + d4[None, :], mask=old[:, None], other=0.0) + \
+        tl.load(chunk[:, None] + D4 + d4[None, :], mask=new[:, None], other=0.0)
+    x2 = tl.load(ring[:, None] + 2 * D4 + d4[None, :], mask=old[:, None], other=0.0) + \
+        tl.load(chunk[:, None] + 2 * D4 + d4[None, :], mask=new[:, None], other=0.0)
+    x3 = tl.load(ring[:, None] + 3 * D4 + d4[None, :], mask=old[:, None], other=0.0) + \
+        tl.load(chunk[:, None] + 3 * D4 + d4[None, :], mask=new[:, None], other=0.0)
+    return x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16)
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, k0, k1, k2, k3):
+    s = tl.dot(q0, tl.trans(k0))
+    s += tl.dot(q1, tl.trans(k1))
+    s += tl.dot(q2, tl.trans(k2))
+    s += tl.dot(q3, tl.trans(k3))
+    return s
+
+
+@triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online-softmax update; rows with no live key so far stay at zero."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
+                   tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_f16, cache_bf16,
+                   out_ptr, stride_ot, stride_oh,
+                   H, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+                   SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
+                   STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tile = tl.program_id(0)
+    hq = tl.program_id(1)
+    h = hq // GROUP
+    D4: tl.constexpr = D // 4
+    req = tl.load(tiles_ptr + tile * 5)
+    tok0 = tl.load(tiles_ptr + tile * 5 + 1)
+    nq = tl.load(tiles_ptr + tile * 5 + 2)
+    ctx = tl.load(tiles_ptr + tile * 5 + 3)
+    qstart = tl.load(tiles_ptr + tile * 5 + 4)
+    row = bt_ptr + req.to(tl.int64) * bt_stride
+
+    mi = tl.arange(0, BLOCK_M)
+    qok = mi < nq
+    tok = tok0 + mi
+    tpos = ctx + tok - qstart
+    t_min = ctx + tok0 - qstart
+    t_max = t_min + nq - 1
+    d4 = tl.arange(0, D4)
+    qb = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + hq * stride_qh + d4[None, :]
+    q0 = tl.load(qb, mask=qok[:, None], other=0.0).to(tl.float16)
+    q1 = tl.load(qb + D4, mask=qok[:, None], other=0.0).to(tl.float16)
+    q2 = tl.load(qb + 2 * D4, mask=qok[:, None], other=0.0).to(tl.float16)
+    q3 = tl.load(qb + 3 * D4, mask=qok[:, None], other=0.0).to(tl.float16)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    a0 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a1 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a2 = tl.zeros([BLOCK_M, D4], tl.float32)
+    a3 = tl.zeros([BLOCK_M, D4], tl.float32)
+
+    # 1. sink: BF16
+    sink_end = tl.minimum(SINK, t_max + 1)
+    for n0 in range(0, sink_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < sink_end
+        k0, k1, k2, k3 = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, H, h,
+                                    0, D, G, KB, SINK, RING, ROWS)
+        s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
+        s = tl.where(live, s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        v0, v1, v2, v3 = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h,
+                                    1, D, G, KB, SINK, RING, ROWS)
+        pf = p.to(tl.float16)
+        a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
+        a1 = a1 * alpha[:, None] + tl.dot(pf, v1)
+        a2 = a2 * alpha[:, None] + tl.dot(pf, v2)
+        a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
+
+    # 2. keys at least W behind every query of the tile: INT2
+    int2_end = tl.maximum(t_min - WINDOW + 1, SINK)
+    for n0 in range(SINK, int2_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos < int2_end
+        k0, k1, k2, k3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS)
+        s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        v0, v1, v2, v3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS)
+        pf = p.to(tl.float16)
+        a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
+        a1 = a1 * alpha[:, None] + tl.dot(pf, v1)
+        a2 = a2 * alpha[:, None] + tl.dot(pf, v2)
+        a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
+
+    # 3. the rest, up to the last query: BF16 inside each query's window, INT2 beyond
+    for n0 in range(int2_end, t_max + 1, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        ok = pos <= t_max
+        # ring rows older than ctx - W now hold newer positions; no query here reads them in BF16
+        has_bf16 = ok & ((pos >= ctx) | (pos >= ctx - WINDOW))
+        k0, k1, k2, k3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS)
+        s_lo = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        k0, k1, k2, k3 = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh,
+                                    H, h, 0, D, G, KB, SINK, RING, ROWS)
+        s_hi = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        use_hi = (tpos[:, None] - pos[None, :]) < WINDOW
+        live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
+        s = tl.where(live, tl.where(use_hi, s_hi, s_lo), float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p_hi = tl.where(use_hi, p, 0.0).to(tl.float16)
+        p_lo = tl.where(use_hi, 0.0, p).to(tl.float16)
+        v0, v1, v2, v3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS)
+        a0 = a0 * alpha[:, None] + tl.dot(p_lo, v0)
+        a1 = a1 * alpha[:, None] + tl.dot(p_lo, v1)
+        a2 = a2 * alpha[:, None] + tl.dot(p_lo, v2)
+        a3 = a3 * alpha[:, None] + tl.dot(p_lo, v3)
+        v0, v1, v2, v3 = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh,
+                                    H, h, 1, D, G, KB, SINK, RING, ROWS)
+        a0 += tl.dot(p_hi, v0)
+        a1 += tl.dot(p_hi, v1)
+        a2 += tl.dot(p_hi, v2)
+        a3 += tl.dot(p_hi, v3)
+
+    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    ob = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d4[None, :]
+    ty = out_ptr.dtype.element_ty
+    tl.store(ob, (a0 * inv[:, None]).to(ty), mask=qok[:, None])
+    tl.store(ob + D4, (a1 * inv[:, None]).to(ty), mask=qok[:, None])
+    tl.store(ob + 2 * D4, (a2 * inv[:, None]).to(ty), mask=qok[:, None])
+    tl.store(ob + 3 * D4, (a3 * inv[:, None]).to(ty), mask=qok[:, None])
+
+
+def query_tiles(requests: list[tuple[int, int, int, int]], device) -> torch.Tensor:
+    """``[tiles, 5]`` int32 (request row, first token, tokens, ctx, request's
+    first token) from ``(request row, first token, chunk length, ctx)``."""
+    rows = [(r, t0 + m, min(BLOCK_M, n - m), ctx, t0)
+            for r, t0, n, ctx in requests for m in range(0, n, BLOCK_M)]
+    return torch.tensor(rows, dtype=torch.int32).view(-1, 5).to(device)
+
+
+def extend_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    fmt: OscarFormat,
+    block_table: torch.Tensor,
+    tiles: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Attention of chunk queries ``q [N, Hq, D]`` (rotated) with the chunk's
+    rotated keys ``k`` and values ``v [N, H, D]`` (bf16), into ``out``."""
+    hq, d = q.shape[1], q.shape[2]
+    h = kv_cache.shape[1]
+    if fmt.groups not in (1, 2):
+        raise ValueError(f"OSCAR Triton extend needs group_size head_size or head_size/2, got {fmt.group_size}")
+    if tiles.shape[0] == 0:
+        return out
+    qs = (q.float() * (scale * LOG2E)).contiguous()
+    _extend_kernel[(tiles.shape[0], hq)](
+        qs, qs.stride(0), qs.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
+        tiles, block_table, block_table.stride(0),
+        kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16),
+        out, out.stride(0), out.stride(1),
+        h, GROUP=hq // h, D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
+        RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
+        BLOCK_M=BLOCK_M, BLOCK_N=32,
+    )
+    return out
