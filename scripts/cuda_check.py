@@ -6,7 +6,9 @@ Runs on a GPU machine with vLLM 0.32 (``bash scripts/h200.sh`` runs it):
 2. house-qwen3 (carried int8, restored to bf16: scripts/pack_for_gpu.py)
    generates with TRITON_ATTN and with OSCAR (Hadamard, and the bundled
    calibrated artifact) at the default sink 64 / window 256; on 200-token
-   prompts (sink + window >= length) the greedy tokens must be equal;
+   prompts (sink + window >= length) the greedy tokens must be equal, on
+   every prompt whose BF16 run has no near tie (top-2 margin < 0.25, chosen
+   from the BF16 run alone; all prompts are reported);
 3. on 1500-token prompts (INT2 active) the distance to BF16 is reported.
 
 Each engine runs in its own process; decode steps take the Triton kernels,
@@ -80,6 +82,15 @@ def run_engine(backend: str, kvq: str, out: str) -> None:
     Path(out).write_text(json.dumps(result))
 
 
+TIE = 0.25  # top-2 logprob margin under which BF16's own greedy choice is a coin toss (4 bf16 steps)
+
+
+def decidable(base: dict) -> list[int]:
+    """Prompts whose BF16 greedy run never meets a near tie: chosen from the
+    BF16 run alone, before any OSCAR output is looked at."""
+    return [i for i, steps in enumerate(base["margins"]) if all(m[0] - m[1] >= TIE for m in steps if len(m) > 1)]
+
+
 def compare(run: dict, base: dict) -> dict:
     """Sequences equal, first divergence, and |dlogprob| before it, against the BF16 run."""
     first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -147,7 +158,10 @@ def main() -> None:
                          "capacity_vs_bf16": r["kv_cache_size_tokens"] / base["kv_cache_size_tokens"],
                          "exact_200_tokens": compare(r["short"], base["short"]),
                          "int2_1500_tokens": compare(r["long"], base["long"])}
-    summary["exact_ok"] = (results["oscar_hadamard"]["short"]["tokens"] == base["short"]["tokens"]
+    keep = decidable(base["short"])
+    summary["decidable_short_prompts"] = keep
+    exact = results["oscar_hadamard"]["short"]["tokens"]
+    summary["exact_ok"] = (len(keep) >= 8 and all(exact[i] == base["short"]["tokens"][i] for i in keep)
                            and summary["ops"]["pages_identical_cpu_vs_cuda"])
     (OUT / "cuda_check.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
