@@ -2,11 +2,14 @@
 
 Every variant runs in real vLLM on CPU with chunked prefill and
 ``max_num_batched_tokens = 64``, so each prompt token reads older context from
-the cache as a generated token would. Writes ``docs/accuracy.md`` and
-``benchmarks/results/accuracy.json``.
+the cache as a generated token would. Writes
+``benchmarks/results/accuracy-<model>.json`` and ``docs/accuracy.md`` (every
+model's table).
 
-    python benchmarks/accuracy.py                      # the table in docs/accuracy.md
-    python benchmarks/accuracy.py --needles-per-bucket 50 --ppl-windows 16   # fuller run
+    python benchmarks/accuracy.py                      # house-qwen3's table in docs/accuracy.md
+    python benchmarks/accuracy.py --model examples/models/house-qwen2 \
+        --tokenizer examples/models/house-qwen2/tokenizer
+    python benchmarks/accuracy.py --render-only        # docs/accuracy.md from the saved JSON
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 BUCKETS = [(0, 1024, "<1k"), (1024, 2048, "1-2k"), (2048, 3072, "2-3k"), (3072, 4097, "3-4k")]
 
-VARIANTS = {
-    "bf16": None,
-    "naive INT2 (no rotation, no sink/window)": {"rotation": "none", "sink": 0, "window": 0},
-    "INT2 + sink/window": {"rotation": "none"},
-    "Hadamard + sink/window": {"rotation": "hadamard"},
-    "OSCAR, shared per-layer rotation": {"artifact": str(REPO / "examples/artifacts/house-qwen3-oscar-layer")},
-    "OSCAR, per-KV-head rotation": {"artifact": str(REPO / "examples/artifacts/house-qwen3-oscar")},
-}
+def variants(model: str) -> dict[str, dict | None]:
+    """The table's rows; OSCAR rows use ``examples/artifacts/<model>-oscar[-layer]``."""
+    art = REPO / "examples" / "artifacts" / Path(model).name
+    return {
+        "bf16": None,
+        "naive INT2 (no rotation, no sink/window)": {"rotation": "none", "sink": 0, "window": 0},
+        "INT2 + sink/window": {"rotation": "none"},
+        "Hadamard + sink/window": {"rotation": "hadamard"},
+        "OSCAR, shared per-layer rotation": {"artifact": f"{art}-oscar-layer"},
+        "OSCAR, per-KV-head rotation": {"artifact": f"{art}-oscar"},
+        "OSCAR, per-KV-head rotation, exact value target": {"artifact": f"{art}-oscar-exact"},
+    }
 
 
 def needle_set(per_bucket: int) -> list[dict]:
@@ -101,20 +108,13 @@ def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[li
     return result
 
 
-def write_markdown(results: dict, args, path: Path) -> None:
+def model_table(results: dict, args) -> list[str]:
     base = results["bf16"]
     lines = [
-        "# Accuracy",
+        f"## `{Path(args.model).name}`",
         "",
-        f"Model `{Path(args.model).name}`, dtype {args.dtype}, vLLM 0.32 CPU, decode regime: chunked "
-        f"prefill with every request prefilled in chunks of at most {args.chunk} tokens "
-        "(`long_prefill_token_threshold`), so every prompt token reads older context from the cache "
-        "as a generated token would. Needles: "
-        f"`../shared/eval/needles-dev.jsonl`, first {args.needles_per_bucket} per length bucket, hit = "
-        "greedy continuation starts with `answer[:4]`. Perplexity: "
-        f"{args.ppl_windows} windows of 4000 tokens of `code-dev.txt.gz`, from `prompt_logprobs`.",
-        "",
-        "Regenerate: `python benchmarks/accuracy.py` (numbers below are from that command).",
+        f"dtype {args.dtype}; {args.needles_per_bucket} needles per length bucket; {args.ppl_windows} perplexity "
+        f"windows of 4000 tokens; prefill chunks of at most {args.chunk} tokens.",
         "",
         "| variant | needles | <1k | 1-2k | 2-3k | 3-4k | needles / bf16 | perplexity | ppl vs bf16 |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -128,19 +128,43 @@ def write_markdown(results: dict, args, path: Path) -> None:
             f"| {name} | {r['needle_acc']:.3f} | {b['<1k']:.2f} | {b['1-2k']:.2f} | {b['2-3k']:.2f} | "
             f"{b['3-4k']:.2f} | {rel:.1%} | {r['ppl']:.3f} | {r['ppl'] / base['ppl'] - 1:+.2%} |"
         )
-    lines += [
+    return lines + [""]
+
+
+def write_markdown(path: Path) -> None:
+    """docs/accuracy.md from every ``benchmarks/results/accuracy-*.json``."""
+    lines = [
+        "# Accuracy",
         "",
+        "vLLM 0.32 CPU, decode regime: chunked prefill with every request prefilled in chunks of at most "
+        "64 tokens (`long_prefill_token_threshold`), so every prompt token reads older context from the "
+        "cache as a generated token would. Needles: `../shared/eval/needles-dev.jsonl`, the first N per "
+        "length bucket, hit = greedy continuation starts with `answer[:4]`. Perplexity: windows of 4000 "
+        "tokens of `code-dev.txt.gz`, from `prompt_logprobs`.",
+        "",
+        "Regenerate a model's table: `python benchmarks/accuracy.py --model examples/models/MODEL` "
+        "(house-qwen2 also needs `--tokenizer examples/models/house-qwen2/tokenizer`); the numbers below "
+        "are from that command with its defaults.",
+        "",
+    ]
+    for f in sorted((REPO / "benchmarks" / "results").glob("accuracy-*.json")):
+        saved = json.loads(f.read_text())
+        if "bf16" in saved["results"]:
+            lines += model_table(saved["results"], argparse.Namespace(**saved["args"]))
+    lines += [
         "Variants: `naive INT2` quantizes every key and value, the current token included (sink 0, "
         "window 0, no rotation, no clipping); `INT2 + sink/window` keeps the first 64 and last 256 "
         "tokens of every sequence in BF16; `Hadamard` rotates keys and values by a 128x128 "
         "Sylvester Hadamard matrix first. All INT2 variants use groups of 128 with fp16 (scale, min). "
         "`OSCAR` rows use the artifacts in `examples/artifacts/` made by `vllm-kvq calibrate` on "
         "`code-dev.txt.gz` (28,672 tokens; R = U·H·P_br from the grouped query covariance for K and "
-        "the score-weighted value covariance for V; clip 0.96 / 0.92), shared per layer or per KV head.",
+        "the score-weighted value covariance for V, or the attention-output covariance V^T S^T S V for "
+        "the `exact value target` row; clip 0.96 / 0.92), shared per layer or per KV head.",
         "",
         "OSCAR reads every key older than the window as INT2 for every query, whatever the chunking, "
         "so small and large prefill chunks give the same result here (tests check it); the small "
-        "chunks are kept so the table measures what decoding sees.",
+        "chunks are kept so the table measures what decoding sees. Small samples: one needle prompt "
+        "is 4 points of needle accuracy.",
     ]
     path.write_text("\n".join(lines) + "\n")
 
@@ -153,16 +177,16 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--needles-per-bucket", type=int, default=6)
     ap.add_argument("--ppl-windows", type=int, default=2)
-    ap.add_argument("--variants", nargs="*", default=list(VARIANTS))
+    ap.add_argument("--variants", nargs="*", help="default: all rows of variants()")
     ap.add_argument("--markdown", default=str(REPO / "docs" / "accuracy.md"))
-    ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "accuracy.json"))
-    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from --json")
+    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the saved JSON")
     args = ap.parse_args()
     if args.render_only:
-        saved = json.loads(Path(args.json).read_text())
-        args = argparse.Namespace(**{**saved["args"], "markdown": args.markdown})
-        write_markdown(saved["results"], args, Path(args.markdown))
+        write_markdown(Path(args.markdown))
         return
+    rows = variants(args.model)
+    args.variants = args.variants or list(rows)
+    args.json = str(REPO / "benchmarks" / "results" / f"accuracy-{Path(args.model).name}.json")
 
     from transformers import AutoTokenizer
 
@@ -171,12 +195,11 @@ def main() -> None:
     windows = ppl_windows(tok, args.ppl_windows)
     results = {}
     for name in args.variants:
-        results[name] = evaluate(args.model, VARIANTS[name], needles, windows, args)
+        results[name] = evaluate(args.model, rows[name], needles, windows, args)
         print(f"{name}: {json.dumps(results[name])}", flush=True)
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
-    if "bf16" in results:
-        write_markdown(results, args, Path(args.markdown))
-        print(Path(args.markdown).read_text())
+    write_markdown(Path(args.markdown))
+    print(Path(args.markdown).read_text())
 
 
 if __name__ == "__main__":
