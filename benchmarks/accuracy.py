@@ -193,7 +193,9 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     needles = needle_set(args.needles_per_bucket)
     windows = ppl_windows(tok, args.ppl_windows)
-    results = {}
+    saved = Path(args.json)
+    # a subset of variants updates those rows and keeps the others
+    results = json.loads(saved.read_text())["results"] if saved.exists() else {}
     for name in args.variants:
         results[name] = evaluate(args.model, rows[name], needles, windows, args)
         print(f"{name}: {json.dumps(results[name])}", flush=True)

@@ -33,7 +33,7 @@ def test_triton_path_matches_reference_path(greedy, monkeypatch):
     ref = _run("reference", prompts, params)
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
     got = _run("triton", prompts, params)
-    assert len(ref[0].prompt_token_ids) > 2 * 64 + 16 + 32  # chunks whose queries read INT2 keys
+    assert len(ref[0].prompt_token_ids) > 64 + 16 + 32  # later chunks' queries read INT2 keys
     diffs = []
     for r, g in zip(ref, got):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
