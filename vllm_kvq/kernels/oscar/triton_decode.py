@@ -31,6 +31,17 @@ LAUNCH = {"num_warps": 4, "num_stages": 2}
 
 
 @triton.jit
+def softmax_step(s, m_i, l_i):
+    """Online-softmax update over one tile of base-2 scores ``s``; returns
+    (p, alpha, m, l). Rows with no live key so far stay at zero."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _codes_plus_1024(codes, SHIFT: tl.constexpr):
     """fp16 ``1024 + code`` for one quarter, built from bits (``0x6400 | code``):
     no int-to-float conversion, which would cost more than the memory read."""
@@ -108,11 +119,7 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
              + (dot_b - 1024.0 * qsb[:, None]) * ks_b[None, :] + qsb[:, None] * km_b[None, :])
         s = tl.where(ok[None, :], s, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
 
         pa = (p * vs_a[None, :]).to(tl.float16)
         pb = (p * vs_b[None, :]).to(tl.float16)
@@ -152,11 +159,7 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L,
         k = tl.load(cache_bf16 + sbase[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v = tl.load(cache_bf16 + sbase[:, None] + D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.oscar.triton_decode import softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 32
@@ -95,16 +96,6 @@ def _scores(q0, q1, q2, q3, k0, k1, k2, k3):
 
 
 @triton.jit
-def _softmax_step(s, m_i, l_i):
-    """Online-softmax update; rows with no live key so far stay at zero."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
-
-
-@triton.jit
 def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                    tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_f16, cache_bf16,
                    out_ptr, stride_ot, stride_oh,
@@ -153,7 +144,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v0, v1, v2, v3 = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h,
                                     1, D, G, KB, SINK, RING, ROWS)
         pf = p.to(tl.float16)
@@ -170,7 +161,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         k0, k1, k2, k3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS)
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         v0, v1, v2, v3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS)
         pf = p.to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
@@ -192,7 +183,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         use_hi = (tpos[:, None] - pos[None, :]) < WINDOW
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, tl.where(use_hi, s_hi, s_lo), float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         p_hi = tl.where(use_hi, p, 0.0).to(tl.float16)
         p_lo = tl.where(use_hi, 0.0, p).to(tl.float16)
         v0, v1, v2, v3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS)
