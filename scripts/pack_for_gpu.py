@@ -42,11 +42,11 @@ def pack_weights(out: Path) -> None:
 
 
 def pack_prompts(out: Path) -> None:
-    """16 short prompts (exact check) and 8 of 1500 tokens (INT2 active) from the dev data."""
+    """48 short prompts (exact check) and 8 of 1500 tokens (INT2 active) from the dev data."""
     tok = AutoTokenizer.from_pretrained(MODEL)
     text = gzip.open(EVAL / "code-dev.txt.gz", "rt").read()
     ids = tok(text[:400_000])["input_ids"]
-    short = [ids[i * 3000 : i * 3000 + 200] for i in range(16)]
+    short = [ids[i * 1200 : i * 1200 + 200] for i in range(48)]
     long = [ids[60_000 + i * 5000 : 60_000 + i * 5000 + 1500] for i in range(8)]
     (out / "prompts.json").write_text(json.dumps({"short": short, "long": long}))
 

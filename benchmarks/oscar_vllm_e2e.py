@@ -1,0 +1,164 @@
+"""End-to-end serving job in real vLLM: OSCAR against BF16 (TRITON_ATTN).
+
+A random-weight Qwen3-4B-shaped model (vLLM's ``load_format="dummy"``:
+speed does not depend on weights) serves the same job with each backend at
+the same ``gpu_memory_utilization``: N requests with P-token prompts that
+generate G tokens each, more requests than either backend can hold at once.
+The engine is stepped in this process so every step can be classified:
+
+- KV capacity: what vLLM reports at start (tokens);
+- concurrent batch: the most requests running in one step;
+- steady-state decode tokens/s: tokens over the time of the steps in which
+  every running request decodes and none is admitted or prefilled;
+- prefill tokens/s: prompt tokens over the time of the steps with a prefill;
+- job tokens/s: generated tokens over the job's wall time.
+
+Each backend runs in its own process (``run`` sub-command); the parent
+writes ``benchmarks/results/oscar_vllm_e2e.json`` (or ``$OUT``) and prints a
+table. Needs a GPU and vLLM 0.32 (``scripts/h200.sh`` runs it).
+
+    python benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 16 --gpu-mem 0.15
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QWEN3_4B = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
+    "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 131072, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
+    "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
+}
+BACKENDS = {"bf16": ("TRITON_ATTN", None), "oscar": ("OSCAR", {"rotation": "hadamard"})}
+
+
+def run(backend: str, args: argparse.Namespace) -> dict:
+    """One backend, one job, stepped in this process."""
+    import torch
+
+    import vllm_kvq
+
+    vllm_kvq.register()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    attention, kvq = BACKENDS[backend]
+    model = Path(args.model_dir)
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps(QWEN3_4B))
+    kw = {"additional_config": {"kvq": kvq}} if kvq is not None else {}
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, attention_backend=attention,
+              max_model_len=args.prompt_len + args.gen, gpu_memory_utilization=args.gpu_mem,
+              enforce_eager=True, enable_prefix_caching=False, async_scheduling=False, seed=0, **kw)
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    capacity = engine.vllm_config.cache_config.kv_cache_size_tokens
+    params = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True, detokenize=False)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(args.requests):
+        ids = torch.randint(0, QWEN3_4B["vocab_size"], (args.prompt_len,), generator=gen).tolist()
+        engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
+    decode_t = decode_tok = prefill_t = 0.0
+    prefill_tok = batch = 0
+    prompt_done: dict[str, int] = {}  # prompt tokens computed so far, per request
+    start = report = time.perf_counter()
+    while engine.has_unfinished_requests():
+        if time.perf_counter() - report > 30:  # partial figures survive a time limit
+            report = time.perf_counter()
+            print("PROGRESS", {"s": round(report - start), "prompt_tokens": prefill_tok, "prefill_s": prefill_t,
+                               "decode_tokens": decode_tok, "decode_s": decode_t, "batch": batch}, flush=True)
+        running = {r.request_id for r in scheduler.running}
+        decoding = bool(running) and all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+        t = time.perf_counter()
+        engine.step()
+        dt = time.perf_counter() - t
+        batch = max(batch, len(scheduler.running))
+        new = 0
+        for r in scheduler.running:
+            done = min(r.num_computed_tokens, r.num_prompt_tokens)
+            new += done - prompt_done.get(r.request_id, 0)
+            prompt_done[r.request_id] = done
+        if decoding and new == 0:
+            decode_t += dt
+            decode_tok += len(running)
+        elif new:
+            prefill_t += dt
+            prefill_tok += new
+    wall = time.perf_counter() - start
+    return {"backend": attention, "kv_cache_size_tokens": capacity, "concurrent_batch": batch,
+            "decode_tokens_per_s": decode_tok / decode_t if decode_t else None,
+            "decode_steps_time_s": decode_t, "prefill_tokens_per_s": prefill_tok / prefill_t if prefill_t else None,
+            "job_wall_s": wall, "job_generated_tokens_per_s": args.requests * args.gen / wall}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "render"])
+    p.add_argument("--backend", default="oscar", choices=sorted(BACKENDS))
+    p.add_argument("--prompt-len", type=int, default=32768)
+    p.add_argument("--gen", type=int, default=512)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--gpu-mem", type=float, default=0.15)
+    p.add_argument("--model-dir", default="/tmp/kvq_qwen3_4b_dummy")
+    p.add_argument("--label", default=None, help="key of this job in the JSON (default: the prompt length)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    out = Path(args.json or (Path(os.environ["OUT"]) / "oscar_vllm_e2e.json" if "OUT" in os.environ
+                             else Path(__file__).parent / "results" / "oscar_vllm_e2e.json"))
+    if args.mode == "run":
+        print("RESULT " + json.dumps(run(args.backend, args)), flush=True)
+        return
+    if args.mode == "all":
+        job = {"prompt_len": args.prompt_len, "gen": args.gen, "requests": args.requests,
+               "gpu_memory_utilization": args.gpu_mem, "model": "Qwen3-4B shape, dummy weights", "enforce_eager": True}
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        for name in BACKENDS:
+            cmd = [sys.executable, __file__, "run", "--backend", name] + [
+                f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+            job[name] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
+            print(name, job[name], flush=True)
+        if "decode_tokens_per_s" in job["oscar"] and "decode_tokens_per_s" in job["bf16"]:
+            for key in ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "job_generated_tokens_per_s"):
+                a, b = job["oscar"].get(key), job["bf16"].get(key)
+                job[f"{key}_oscar_vs_bf16"] = a / b if a and b else None
+        results = json.loads(out.read_text()) if out.exists() else {}
+        results[args.label or str(args.prompt_len)] = job
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))
+    print(render(json.loads(out.read_text())))
+
+
+def render(results: dict) -> str:
+    rows = ["| job | backend | KV capacity (tokens) | concurrent batch | decode tok/s | prefill tok/s | job tok/s |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for label, job in results.items():
+        for name in BACKENDS:
+            r = job.get(name, {})
+            if "error" in r or not r:
+                rows.append(f"| {label} | {name} | failed | | | | |")
+                continue
+            fmt = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
+            rows.append(f"| {job['requests']} x {job['prompt_len']} + {job['gen']} | {r['backend']} | "
+                        f"{r['kv_cache_size_tokens']:,} | {r['concurrent_batch']} | {fmt(r['decode_tokens_per_s'])} | "
+                        f"{fmt(r['prefill_tokens_per_s'])} | {r['job_generated_tokens_per_s']:,.1f} |")
+        ratio = job.get("decode_tokens_per_s_oscar_vs_bf16")
+        if ratio:
+            rows.append(f"| | OSCAR / BF16 | {job['kv_cache_size_tokens_oscar_vs_bf16']:.2f}x | "
+                        f"{job['concurrent_batch_oscar_vs_bf16']:.2f}x | {ratio:.2f}x | | "
+                        f"{job['job_generated_tokens_per_s_oscar_vs_bf16']:.2f}x |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    main()
