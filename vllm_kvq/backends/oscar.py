@@ -84,7 +84,13 @@ class OscarBackend(AttentionBackend):
         """Declare the real bytes: C per token and head plus R state blocks."""
         if not isinstance(spec, FullAttentionSpec) or isinstance(spec, SlidingWindowSpec):
             return spec
-        fmt = page_format(spec.head_size, spec.block_size, kvq_settings.current())
+        settings = kvq_settings.current()
+        per_token = page_format(spec.head_size, 128, settings).bytes_per_token  # the same for any block size
+        if spec.block_size * per_token < 4 * spec.head_size:
+            # vLLM's one-token probe (hybrid models size attention blocks from
+            # it): too small for a state slot, and only the bytes per token count.
+            return OscarAttentionSpec.from_spec(spec, dtype=torch.uint8, state_content_bytes=per_token)
+        fmt = page_format(spec.head_size, spec.block_size, settings)
         return OscarAttentionSpec.from_spec(
             spec,
             dtype=torch.uint8,
@@ -227,6 +233,7 @@ class OscarImpl(AttentionImpl):
         self._sm_count: int | None = None
         self.k_rotation: torch.Tensor | None = None  # [H_local, D, D] fp32
         self.v_absorbed = False  # set by the weight folding at load
+        self.unrotate_output = False  # set there too: o_proj could not take R_V
 
     # ------------------------------------------------------------- set-up
     def bind_layer(self, layer_name: str) -> None:
@@ -291,7 +298,7 @@ class OscarImpl(AttentionImpl):
         md = attn_metadata
         if md.tokens is not None:
             self._forward_triton(q, k, v, kv_cache, fmt, md, out)
-            return output
+            return self._unrotated(output, n)
         pages = reference.PageViews(kv_cache, fmt)
         if not self.k_identity:
             k = self._rotate(k, self.k_rotation)
@@ -305,6 +312,15 @@ class OscarImpl(AttentionImpl):
                 q[start:end], k[start:end], v[start:end], self.k_clip, self.v_clip, self.scale,
             )
             out[start:end] = res.to(out.dtype)
+        return self._unrotated(output, n)
+
+    def _unrotated(self, output: torch.Tensor, n: int) -> torch.Tensor:
+        """The R_V^T epilogue, for layers whose o_proj could not absorb R_V."""
+        if self.unrotate_output:
+            out = output[:n].view(n, self.num_heads, self.head_size)
+            if self.v_rotation.device != out.device:
+                self.v_rotation = self.v_rotation.to(out.device)
+            out.copy_(self._rotate(out, self.v_rotation.transpose(1, 2)).to(out.dtype))
         return output
 
     def _forward_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:

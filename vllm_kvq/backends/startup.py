@@ -19,10 +19,6 @@ def check_oscar_config(vllm_config) -> None:
     s = kvq_settings.from_vllm_config(vllm_config)
     if model_config.use_mla:
         raise ValueError("OSCAR does not support MLA models; drop --attention-backend OSCAR")
-    if model_config.is_hybrid:
-        raise ValueError(
-            "OSCAR does not support hybrid (Mamba/GDN) models yet; drop --attention-backend OSCAR"
-        )
     if cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
         raise ValueError(
             f"OSCAR stores its own INT2 format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
