@@ -3,11 +3,13 @@ process starts, with a message that names the fix."""
 
 from __future__ import annotations
 
+import torch
 from vllm.logger import init_logger
+from vllm.platforms import current_platform
 
 from vllm_kvq import settings as kvq_settings
 from vllm_kvq.artifacts.fingerprint import head_dim, text_config
-from vllm_kvq.backends.oscar import page_format
+from vllm_kvq.backends.oscar import page_format, uses_triton
 from vllm_kvq.backends.resolve import resolve_artifact
 
 logger = init_logger("vllm." + __name__)
@@ -19,6 +21,12 @@ def check_oscar_config(vllm_config) -> None:
     s = kvq_settings.from_vllm_config(vllm_config)
     if model_config.use_mla:
         raise ValueError("OSCAR does not support MLA models; drop --attention-backend OSCAR")
+    if model_config.is_hybrid and uses_triton(s, torch.device(current_platform.device_type)):
+        raise ValueError(
+            "OSCAR's Triton kernels take one page per tile and are not built for the long attention "
+            "blocks of hybrid models (about 1K tokens, sized to the GDN state); serve this model with "
+            "--additional-config '{\"kvq\": {\"kernels\": \"reference\"}}'"
+        )
     if cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
         raise ValueError(
             f"OSCAR stores its own INT2 format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
