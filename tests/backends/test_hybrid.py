@@ -2,22 +2,21 @@
 (house-qwen3next: 6 GDN layers, 2 gated full-attention layers with partial
 RoPE), the GDN layers keeping vLLM's own state, in real vLLM on CPU.
 
-vLLM sizes hybrid attention blocks so one attention page is at least one GDN
-state page; OSCAR's small per-token size makes those blocks long (1024
-tokens here), and the per-request sink/window state blocks must not eat the
-saving. Qwen3-Next gates the attention output channel by channel before
+Calibration captures the attention layers only (``vllm-kvq calibrate`` finds
+them from ``layer_types``). vLLM sizes hybrid attention blocks so one
+attention page is at least one GDN state page; OSCAR's small per-token size
+makes those blocks long (1024 tokens here), and the per-request sink/window
+state blocks must not eat the saving. Qwen3-Next gates the attention output channel by channel before
 o_proj, so R_V is folded into the V rows only and the backend un-rotates.
 """
 
 import pytest
 
-from tests.conftest import make_llm, needles, shutdown
+from tests.conftest import EVAL, make_llm, model_path, needles, shutdown
 
 pytestmark = pytest.mark.slow
 MODEL = "house-qwen3next"
 MAX_LEN = 8192
-
-
 TIE = 0.25  # top-2 logprob margin under which a bf16 model's greedy choice is a coin toss (4 bf16 steps)
 
 
@@ -30,10 +29,20 @@ def generate(greedy, prompts, **kw):
         shutdown(llm)
 
 
-def test_hybrid_exact_while_everything_is_bf16_and_capacity(greedy):
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """Per-KV-head rotations of the two attention layers, from ``vllm-kvq calibrate``."""
+    from vllm_kvq.calib.calibrate import calibrate
+
+    out = tmp_path_factory.mktemp("qwen3next-artifact")
+    calibrate(model_path(MODEL), str(EVAL / "code-dev.txt.gz"), str(out), tokens=2048, seq_len=512)
+    return out
+
+
+def test_hybrid_exact_while_everything_is_bf16_and_capacity(greedy, artifact):
     short = [r["prompt"][:600] for r in needles(limit=4)]  # sink + window cover them
     cap_ref, ref = generate(greedy, short, attention_backend="CPU_ATTN")
-    cap, got = generate(greedy, short, oscar={"rotation": "hadamard"})
+    cap, got = generate(greedy, short, oscar={"artifact": str(artifact)})
     diffs = []
     for a, b in zip(got, ref):
         assert len(b.prompt_token_ids) + 16 <= 64 + 256
