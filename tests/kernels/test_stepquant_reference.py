@@ -1,0 +1,135 @@
+"""The STEPQuant state codec: byte layout, packing, and the dual-axis fit
+against an independent element-by-element computation."""
+
+import pytest
+import torch
+
+from vllm_kvq.kernels.stepquant import reference as ref
+from vllm_kvq.kernels.stepquant.format import StateLayout, fp32_state_bytes
+
+
+def _states(n, h, k, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.rand(1, 1, k, 1, generator=g) * 3 + 0.05
+    cols = torch.rand(1, 1, 1, v, generator=g) * 2 + 0.05
+    return torch.randn(n, h, k, v, generator=g) * rows * cols
+
+
+def _impact(h, k, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.exp(torch.randn(h, k, generator=g) * 0.4)
+    return w / w.log().mean(-1, keepdim=True).exp()
+
+
+def test_layout_sizes_match_the_docstring():
+    lay = StateLayout((4, 6, 6, 8), 128, 128)
+    assert lay.packed_bytes == 51_200
+    assert fp32_state_bytes(4, 128, 128) / lay.size == pytest.approx(5.12)
+    big = StateLayout((6,) * 40 + (4,) * 4 + (8,) * 3 + (16,), 128, 128)
+    assert sum(b for b in big.bits if b != 16) == 280
+    assert big.packed_bytes == 630_272
+    assert StateLayout((2,), 128, 128).packed_bytes == 4096 + 2 * 128 * 4 + 256
+    slots = big.heads
+    assert slots[-1].codes + slots[-1].codes_bytes == big.packed_bytes
+    for a, b in zip(slots, slots[1:]):
+        end = a.codes + a.codes_bytes if a.bits == 16 else a.cols + 2 * 128
+        assert b.codes == end
+    with pytest.raises(ValueError, match="widths"):
+        StateLayout((5,), 128, 128)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 6, 8])
+def test_pack_unpack_roundtrip(bits):
+    g = torch.Generator().manual_seed(bits)
+    u = torch.randint(0, 2**bits - (bits != 2), (3, 16, 32), generator=g)
+    packed = ref.pack_codes(u, bits)
+    assert packed.shape[-1] == 16 * 32 * bits // 8
+    assert torch.equal(ref.unpack_codes(packed, bits, 16, 32), u)
+
+
+def test_six_bit_packing_is_little_endian_24_bit_words():
+    u = torch.tensor([[[1, 2, 3, 4]]])
+    word = 1 | (2 << 6) | (3 << 12) | (4 << 18)
+    assert ref.pack_codes(u, 6).tolist() == [[word & 255, (word >> 8) & 255, word >> 16]]
+
+
+def _fit_by_hand(x, w, bits):
+    """The dual-axis fit of one head, loop by loop, in float64."""
+    k, v = x.shape
+    q = 3 if bits == 2 else 2 ** (bits - 1) - 1
+    groups = v // 32 if bits == 2 else 1
+    gw = v // groups
+
+    def f16(t):
+        return float(torch.tensor(min(max(t, 2.0**-24), 65504.0)).half())
+
+    def level(y):
+        if bits == 2:
+            return (-1.0 if y < 0 else 1.0) * (3.0 if abs(y) >= 2 else 1.0)
+        return float(max(-q, min(q, round(y))))
+
+    r = [[f16((sum(abs(float(x[i, j])) for j in range(g * gw, (g + 1) * gw)) / gw) ** 0.5 / float(w[i]) ** 0.5)
+          for g in range(groups)] for i in range(k)]
+    out = torch.zeros(k, v, dtype=torch.float64)
+    for j in range(v):
+        rr = [r[i][j // gw] for i in range(k)]
+        c = f16(max(abs(float(x[i, j])) / rr[i] for i in range(k)) / q)
+        z = [level(float(x[i, j]) / rr[i] / c) for i in range(k)]
+        num = sum(float(w[i]) ** 2 * rr[i] * z[i] * float(x[i, j]) for i in range(k))
+        den = sum(float(w[i]) ** 2 * (rr[i] * z[i]) ** 2 for i in range(k))
+        if den > 0:
+            c = f16(num / den)
+        for i in range(k):
+            out[i, j] = rr[i] * c * level(float(x[i, j]) / rr[i] / c)
+    return out
+
+
+@pytest.mark.parametrize("bits", [2, 4, 6, 8])
+def test_fit_matches_a_hand_computation(bits):
+    x = _states(1, 1, 8, 64, seed=bits)
+    w = _impact(1, 8)
+    lay = StateLayout((bits,), 8, 64)
+    got = ref.roundtrip(x, lay, w)[0, 0].double()
+    want = _fit_by_hand(x[0, 0], w[0], bits)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_mixed_record_and_pivots():
+    x = _states(2, 5, 128, 128)
+    w = _impact(5, 128)
+    lay = StateLayout((2, 4, 6, 8, 16), 128, 128)
+    y = ref.decode(ref.encode(x, lay, w), lay)
+    rel = [float(((y[:, i] - x[:, i]) ** 2).mean() / (x[:, i] ** 2).mean()) for i in range(5)]
+    assert rel[0] < 0.3 and rel[1] < 0.03 and rel[2] < 2e-3 and rel[3] < 2e-4
+    assert rel[0] > rel[1] > rel[2] > rel[3] > rel[4]
+    assert torch.equal(y[:, 4], x[:, 4].half().float())  # pivots are exact fp16
+    # each head's bytes depend on that head alone
+    x2 = x.clone()
+    x2[:, 1] *= 7
+    y2 = ref.decode(ref.encode(x2, lay, w), lay)
+    assert torch.equal(y2[:, [0, 2, 3, 4]], y[:, [0, 2, 3, 4]])
+
+
+def test_zero_record_is_the_zero_state_and_padding_stays_zero():
+    lay = StateLayout((4, 6), 16, 32, record_bytes=2048)
+    assert lay.size == 2048
+    assert ref.decode(torch.zeros(3, 2048, dtype=torch.uint8), lay).abs().max() == 0
+    rec = ref.encode(_states(3, 2, 16, 32), lay, torch.ones(2, 16))
+    assert rec[:, lay.packed_bytes :].abs().max() == 0
+    assert ref.roundtrip(torch.zeros(1, 2, 16, 32), lay, torch.ones(2, 16)).abs().max() < 1e-12
+
+
+def test_impact_weighted_fit_beats_the_rowwise_baseline():
+    x = _states(4, 3, 128, 128, seed=3)
+    w = _impact(3, 128, seed=4)
+    lay = StateLayout((6, 6, 6), 128, 128)
+
+    def weighted_err(fit):
+        y = ref.roundtrip(x, lay, w, fit)
+        return float((((y - x) ** 2) * (w**2).view(1, 3, 128, 1)).sum())
+
+    assert weighted_err("stepquant") < 0.85 * weighted_err("rowwise")
+    # rowwise: one absmax scale per key row, columns untouched
+    y = ref.roundtrip(x, lay, w, "rowwise")
+    step = (x.abs().amax(-1, keepdim=True) / 31).half().float()
+    assert torch.equal(y, step * torch.round(x / step).clamp(-31, 31))

@@ -1,0 +1,117 @@
+"""Byte layout of one STEPQuant state record: a GDN layer's recurrent state of
+one request, packed.
+
+vLLM keeps a gated-delta-net layer's state per request slot as
+``[HV, V, K]`` (FP32 by default). With STEPQuant the slot holds one uint8
+record instead. The math orientation is ``S[k, v]``: key rows ``i`` (K of them)
+by value columns ``j`` (V). Every local value head ``h`` has a width ``b_h``
+fixed by the calibrated plan (or uniform): 2, 4, 6 or 8 bits, or 16 for an
+FP16 "pivot" head. Heads follow each other in order::
+
+    integer head, width b (K x V codes, row-major over key rows)
+    offset          size                content
+    0               K*V*b/8             codes, little-endian bit packing:
+                                        8: 1 per byte, 4: 2 per byte (low nibble
+                                        first), 2: 4 per byte (bits 0-1 first),
+                                        6: 4 codes in 3 bytes (24-bit word)
+    K*V*b/8         2*K*n_r             row scales r, fp16 [K, n_r]
+                                        (n_r = V/32 for b = 2, else 1)
+    ...             2*V                 column scales c, fp16 [V]
+
+    pivot head
+    0               2*K*V               fp16 [K, V]
+
+A value is ``r[i, j // (V / n_r)] * c[j] * z[i, j]`` with z the signed code:
+``code - (2^(b-1) - 1)`` for b >= 4, and ``2 * code - 3`` (levels -3, -1, 1, 3)
+for b = 2. An all-zero record decodes to the zero state.
+
+Worked size (a Qwen3.5-27B-like layer: 48 value heads of K = V = 128, @6 with
+one pivot, which the budget counts as 8 bits, so the 47 integer heads share
+6*48 - 8 = 280 bits): codes 280 * 128*128/8 = 573,440 B, scales 47 * 512 =
+24,064 B, pivot 32,768 B; 630,272 B against 48 * 65,536 = 3,145,728 B in FP32
+(4.99x, 6.41 bits per value). house-qwen3next (4 heads, widths 4/6/6/8):
+49,152 B of codes + 2,048 B of scales = 51,200 B against 262,144 B (5.12x).
+
+The record is padded to ``record_bytes`` (the same for every layer and rank,
+because vLLM gives all state pages of a model one size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WIDTHS = (2, 4, 6, 8)
+PIVOT = 16
+INT2_GROUP = 32
+
+
+@dataclass(frozen=True)
+class HeadSlot:
+    """Where one head lives inside the record."""
+
+    bits: int
+    codes: int  # byte offset of the codes (or of the fp16 pivot)
+    codes_bytes: int
+    rows: int  # byte offset of the fp16 row scales (-1 for a pivot)
+    row_groups: int  # n_r
+    cols: int  # byte offset of the fp16 column scales (-1 for a pivot)
+
+
+@dataclass(frozen=True)
+class StateLayout:
+    """Offsets of every local head of one layer's record."""
+
+    bits: tuple[int, ...]
+    k_dim: int
+    v_dim: int
+    record_bytes: int = 0  # 0: exactly the packed size
+
+    def __post_init__(self) -> None:
+        k, v = self.k_dim, self.v_dim
+        if v % INT2_GROUP or k % 2:
+            raise ValueError(f"STEPQuant needs V divisible by {INT2_GROUP} and even K, got K={k} V={v}")
+        bad = [b for b in self.bits if b not in WIDTHS and b != PIVOT]
+        if bad:
+            raise ValueError(f"state widths must be in {WIDTHS} or {PIVOT} (pivot), got {bad}")
+        if self.record_bytes and self.record_bytes < self.packed_bytes:
+            raise ValueError(f"record_bytes {self.record_bytes} < packed size {self.packed_bytes}")
+
+    @property
+    def heads(self) -> tuple[HeadSlot, ...]:
+        k, v = self.k_dim, self.v_dim
+        out, off = [], 0
+        for b in self.bits:
+            if b == PIVOT:
+                out.append(HeadSlot(b, off, 2 * k * v, -1, 0, -1))
+                off += 2 * k * v
+                continue
+            nbytes = k * v * b // 8
+            groups = v // INT2_GROUP if b == 2 else 1
+            rows = off + nbytes
+            cols = rows + 2 * k * groups
+            out.append(HeadSlot(b, off, nbytes, rows, groups, cols))
+            off = cols + 2 * v
+        return tuple(out)
+
+    @property
+    def packed_bytes(self) -> int:
+        k, v = self.k_dim, self.v_dim
+        total = 0
+        for b in self.bits:
+            if b == PIVOT:
+                total += 2 * k * v
+            else:
+                total += k * v * b // 8 + 2 * k * (v // INT2_GROUP if b == 2 else 1) + 2 * v
+        return total
+
+    @property
+    def size(self) -> int:
+        """Bytes per record (what vLLM allocates per slot and layer)."""
+        return self.record_bytes or self.packed_bytes
+
+    def bits_per_value(self) -> float:
+        return 8 * self.packed_bytes / (len(self.bits) * self.k_dim * self.v_dim)
+
+
+def fp32_state_bytes(num_heads: int, k_dim: int, v_dim: int) -> int:
+    return 4 * num_heads * k_dim * v_dim

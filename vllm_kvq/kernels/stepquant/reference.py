@@ -1,0 +1,185 @@
+"""Plain PyTorch STEPQuant state codec: the CPU path inside vLLM, the codec
+calibration scores candidate widths with, and the ground truth that the Triton
+kernels are compared against.
+
+States are fp32 ``[N, H, K, V]`` in math orientation (key rows, value
+columns); records are uint8 ``[N, layout.size]`` (see ``format.py``).
+
+The dual-axis fit, per integer head and step (``fit="stepquant"``):
+
+1. row factors ``r_i = fp16(sqrt(mean_j |X_ij| / w_i))`` (per 32-column group
+   for INT2): wide rows get a wider range, high-impact rows (w > 1) a finer step;
+2. column scales by absmax of ``X / r`` over the rows;
+3. one w²-weighted least-squares refit of every column scale with the codes
+   fixed, then the final nearest-level codes.
+
+``fit="rowwise"`` is the uniform baseline on the same storage: one absmax
+scale per key row (``r_i = max_j |X_ij| / qmax``, ``c = 1``), no impact, no
+refit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvq.kernels.stepquant.format import INT2_GROUP, PIVOT, StateLayout
+
+FP16_MIN = 2.0**-24
+FP16_MAX = 65504.0
+FITS = ("stepquant", "rowwise")
+
+
+def fp16_round(x: torch.Tensor) -> torch.Tensor:
+    """Round to the fp16 value that will be stored (positive scales only)."""
+    return x.clamp(FP16_MIN, FP16_MAX).half().float()
+
+
+def qmax(bits: int) -> int:
+    return 3 if bits == 2 else 2 ** (bits - 1) - 1
+
+
+def quantize_levels(y: torch.Tensor, bits: int) -> torch.Tensor:
+    """Nearest signed level: integers in [-qmax, qmax], or {-3,-1,1,3} for INT2."""
+    if bits == 2:
+        return torch.where(y < 0, -1.0, 1.0) * torch.where(y.abs() >= 2.0, 3.0, 1.0)
+    q = qmax(bits)
+    return torch.round(y).clamp(-q, q)
+
+
+def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "stepquant"):
+    """Fit one width's heads. ``x`` [N, h, K, V] fp32, ``impact`` [h, K].
+
+    Returns (codes z as float [N, h, K, V], row scales [N, h, K, n_r],
+    column scales [N, h, V]), the scales already fp16-rounded.
+    """
+    n, h, k, v = x.shape
+    groups = v // INT2_GROUP if bits == 2 else 1
+    q = float(qmax(bits))
+    if fit == "rowwise":
+        r = fp16_round(x.abs().amax(-1, keepdim=True) / q)
+        c = torch.ones(n, h, v, dtype=torch.float32, device=x.device)
+        z = quantize_levels(x / r, bits)
+        return z, r, c
+    if fit != "stepquant":
+        raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
+    w = impact.float().view(1, h, k, 1)
+    mag = x.abs().view(n, h, k, groups, v // groups).mean(-1).clamp_min(1e-20)
+    r = fp16_round(torch.sqrt(mag / w))  # [N, h, K, n_r]
+    r_full = r.repeat_interleave(v // groups, dim=-1)
+    y = x / r_full
+    c = fp16_round(y.abs().amax(-2) / q)  # [N, h, V]
+    z = quantize_levels(y / c.unsqueeze(-2), bits)
+    vals = r_full * z
+    w2 = w * w
+    num = (w2 * vals * x).sum(-2)
+    den = (w2 * vals * vals).sum(-2)
+    c = torch.where(den > 0, fp16_round(num / den.clamp_min(1e-30)), c)
+    z = quantize_levels(y / c.unsqueeze(-2), bits)
+    return z, r, c
+
+
+# ---------------------------------------------------------------------------
+# Bit packing (row-major over [K, V], little-endian)
+# ---------------------------------------------------------------------------
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned codes [..., K, V] (int) -> packed uint8 [..., K*V*bits/8]."""
+    flat = codes.reshape(*codes.shape[:-2], -1).to(torch.int32)
+    if bits == 8:
+        return flat.to(torch.uint8)
+    if bits in (2, 4):
+        per = 8 // bits
+        g = flat.view(*flat.shape[:-1], -1, per)
+        word = torch.zeros_like(g[..., 0])
+        for s in range(per):
+            word |= g[..., s] << (bits * s)
+        return word.to(torch.uint8)
+    g = flat.view(*flat.shape[:-1], -1, 4)  # 6 bits: 4 codes -> 3 bytes
+    word = g[..., 0] | (g[..., 1] << 6) | (g[..., 2] << 12) | (g[..., 3] << 18)
+    out = torch.stack([word & 255, (word >> 8) & 255, (word >> 16) & 255], dim=-1)
+    return out.reshape(*flat.shape[:-1], -1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int, k: int, v: int) -> torch.Tensor:
+    """Packed uint8 [..., K*V*bits/8] -> unsigned codes int32 [..., K, V]."""
+    p = packed.to(torch.int32)
+    lead = p.shape[:-1]
+    if bits == 8:
+        return p.view(*lead, k, v)
+    if bits in (2, 4):
+        per, mask = 8 // bits, (1 << bits) - 1
+        out = torch.stack([(p >> (bits * s)) & mask for s in range(per)], dim=-1)
+        return out.reshape(*lead, k, v)
+    g = p.view(*lead, -1, 3)
+    word = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16)
+    out = torch.stack([(word >> (6 * s)) & 63 for s in range(4)], dim=-1)
+    return out.reshape(*lead, k, v)
+
+
+def _to_unsigned(z: torch.Tensor, bits: int) -> torch.Tensor:
+    return ((z + 3) / 2 if bits == 2 else z + qmax(bits)).to(torch.int32)
+
+
+def _to_signed(u: torch.Tensor, bits: int) -> torch.Tensor:
+    return (2.0 * u - 3.0) if bits == 2 else u.float() - qmax(bits)
+
+
+# ---------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------
+
+
+def _fp16_bytes(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    return x.contiguous().view(torch.uint8).reshape(n, -1)
+
+
+def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant") -> torch.Tensor:
+    """Fit and pack states ``[N, H, K, V]`` into records ``[N, layout.size]``."""
+    n, h, k, v = x.shape
+    assert (h, k, v) == (len(layout.bits), layout.k_dim, layout.v_dim), (x.shape, layout)
+    x = x.float()
+    out = torch.zeros(n, layout.size, dtype=torch.uint8, device=x.device)
+    slots = layout.heads
+    for bits in sorted(set(layout.bits)):
+        idx = [i for i, b in enumerate(layout.bits) if b == bits]
+        xs = x[:, idx]
+        if bits == PIVOT:
+            blob = xs.half()
+            for j, i in enumerate(idx):
+                s = slots[i]
+                out[:, s.codes : s.codes + s.codes_bytes] = _fp16_bytes(blob[:, j])
+            continue
+        z, r, c = fit_heads(xs, impact[idx], bits, fit)
+        packed = pack_codes(_to_unsigned(z, bits), bits)
+        r16, c16 = r.half(), c.half()
+        for j, i in enumerate(idx):
+            s = slots[i]
+            out[:, s.codes : s.codes + s.codes_bytes] = packed[:, j]
+            out[:, s.rows : s.rows + 2 * k * s.row_groups] = _fp16_bytes(r16[:, j])
+            out[:, s.cols : s.cols + 2 * v] = _fp16_bytes(c16[:, j])
+    return out
+
+
+def decode(records: torch.Tensor, layout: StateLayout) -> torch.Tensor:
+    """Unpack records ``[N, size]`` into fp32 states ``[N, H, K, V]``."""
+    n = records.shape[0]
+    k, v = layout.k_dim, layout.v_dim
+    out = torch.empty(n, len(layout.bits), k, v, dtype=torch.float32, device=records.device)
+    for i, s in enumerate(layout.heads):
+        raw = records[:, s.codes : s.codes + s.codes_bytes]
+        if s.bits == PIVOT:
+            out[:, i] = raw.contiguous().view(torch.float16).view(n, k, v).float()
+            continue
+        z = _to_signed(unpack_codes(raw, s.bits, k, v), s.bits)
+        r = records[:, s.rows : s.rows + 2 * k * s.row_groups].contiguous().view(torch.float16)
+        r = r.view(n, k, s.row_groups).float().repeat_interleave(v // s.row_groups, dim=-1)
+        c = records[:, s.cols : s.cols + 2 * v].contiguous().view(torch.float16).view(n, 1, v).float()
+        out[:, i] = r * c * z
+    return out
+
+
+def roundtrip(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant") -> torch.Tensor:
+    """``decode(encode(x))``: what the pool will hand back next step."""
+    return decode(encode(x, layout, impact, fit), layout)
