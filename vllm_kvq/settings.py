@@ -13,6 +13,9 @@ from dataclasses import dataclass
 CONFIG_KEY = "kvq"
 ROTATION_MODES = ("artifact", "none", "hadamard")
 KERNELS = ("auto", "reference", "triton")
+STATE_POOLS = ("stepquant", "uniform")
+STEPQUANT_BITS = (6, 4)
+UNIFORM_BITS = (4, 6, 8, 16)
 
 
 class SettingsError(ValueError):
@@ -52,6 +55,19 @@ class OscarSettings:
     the reference everywhere (slow; for debugging). ``triton``: Triton
     everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
 
+    state: str | None = None
+    """Gated-delta-net state pool: ``None`` keeps vLLM's own (FP32) states,
+    ``stepquant`` stores them with the calibrated plan of ``state_artifact``,
+    ``uniform`` stores every head at ``state_bits`` with one absmax scale per
+    key row (the baseline; 16 = FP16). Independent of the attention backend."""
+
+    state_artifact: str | None = None
+    """Directory of a STEPQuant plan (``vllm-kvq calibrate --stepquant``)."""
+
+    state_bits: int = 6
+    """Nominal bits per state value: 6 or 4 for ``stepquant`` (the plan holds
+    both), 4, 6, 8 or 16 for ``uniform``."""
+
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
@@ -90,10 +106,27 @@ class OscarSettings:
                 raise SettingsError(f"kvq.{name} must be a non-negative int, got {value!r}")
         if self.group_size == 0:
             raise SettingsError("kvq.group_size must be positive")
+        self._validate_state()
         for name in ("k_clip", "v_clip"):
             value = getattr(self, name)
             if value is not None and not (0.0 < float(value) <= 1.0):
                 raise SettingsError(f"kvq.{name} must be in (0, 1], got {value!r}")
+
+    def _validate_state(self) -> None:
+        if self.state is None:
+            if self.state_artifact:
+                raise SettingsError("kvq.state_artifact is set but kvq.state is not; add \"state\": \"stepquant\"")
+            return
+        if self.state not in STATE_POOLS:
+            raise SettingsError(f"kvq.state must be one of {STATE_POOLS} (or absent), got {self.state!r}")
+        allowed = STEPQUANT_BITS if self.state == "stepquant" else UNIFORM_BITS
+        if self.state_bits not in allowed:
+            raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got {self.state_bits!r}")
+        if self.state == "stepquant" and not self.state_artifact:
+            raise SettingsError(
+                "kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with "
+                "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'"
+            )
 
 
 _cached: OscarSettings | None = None

@@ -47,3 +47,53 @@ def check_oscar_config(vllm_config) -> None:
         fmt.bytes_per_token, fmt.state_blocks, fmt.bits_per_element(model_config.max_model_len),
         model_config.max_model_len,
     )
+
+
+def check_state_config(vllm_config) -> None:
+    """``kvq.state``: a GDN hybrid, no speculative decoding, no prefix caching."""
+    from vllm_kvq.backends.state_pool import pool_plan
+
+    s = kvq_settings.from_vllm_config(vllm_config)
+    if s.state is None:
+        return
+    model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    plan = pool_plan(s, model_config.hf_config, tp)
+    if not current_platform.is_cpu():
+        raise ValueError(
+            f"kvq.state runs inside vLLM on CPU in this release; on {current_platform.device_name} "
+            "serve without kvq.state (the fused Triton step is benchmarked at the op level only)"
+        )
+    if vllm_config.speculative_config is not None:
+        raise ValueError("kvq.state does not support speculative decoding; drop the speculative config")
+    if cache_config.enable_prefix_caching or cache_config.mamba_cache_mode != "none":
+        logger.warning(
+            "kvq.state keeps one packed state per request, which prefix caching cannot "
+            "checkpoint: prefix caching is disabled (pass --no-enable-prefix-caching to silence this)."
+        )
+        cache_config.enable_prefix_caching = False
+        cache_config.mamba_cache_mode = "none"
+        cache_config.mamba_block_size = model_config.max_model_len
+    _small_blocks(vllm_config)
+    fp32 = plan.fp32_bytes(tp)
+    logger.info(
+        "kvq.state: %s, %d B per layer and request against %d B in FP32 (%.2fx)",
+        plan.source, plan.record_bytes, fp32, fp32 / plan.record_bytes,
+    )
+
+
+def _small_blocks(vllm_config) -> None:
+    """vLLM pads every GDN state page up to a whole attention block; at its
+    default 128-token blocks that padding would eat most of a packed state's
+    saving, so unless the user chose a block size, take the smallest one the
+    attention backend supports (vLLM then sizes hybrid blocks from the page)."""
+    from vllm.v1.attention.backend import MultipleOf
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    cache_config = vllm_config.cache_config
+    if cache_config.user_specified_block_size:
+        return
+    backend = vllm_config.attention_config.backend or AttentionBackendEnum.CPU_ATTN
+    sizes = backend.get_class().get_supported_kernel_block_sizes()
+    cache_config.block_size = min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+    cache_config.user_specified_block_size = True

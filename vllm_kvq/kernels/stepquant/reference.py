@@ -53,29 +53,27 @@ def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "step
     column scales [N, h, V]), the scales already fp16-rounded.
     """
     n, h, k, v = x.shape
-    groups = v // INT2_GROUP if bits == 2 else 1
     q = float(qmax(bits))
     if fit == "rowwise":
         r = fp16_round(x.abs().amax(-1, keepdim=True) / q)
         c = torch.ones(n, h, v, dtype=torch.float32, device=x.device)
-        z = quantize_levels(x / r, bits)
-        return z, r, c
+        return quantize_levels(x / r, bits), r, c
     if fit != "stepquant":
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
-    w = impact.float().view(1, h, k, 1)
-    mag = x.abs().view(n, h, k, groups, v // groups).mean(-1).clamp_min(1e-20)
-    r = fp16_round(torch.sqrt(mag / w))  # [N, h, K, n_r]
-    r_full = r.repeat_interleave(v // groups, dim=-1)
-    y = x / r_full
-    c = fp16_round(y.abs().amax(-2) / q)  # [N, h, V]
-    z = quantize_levels(y / c.unsqueeze(-2), bits)
-    vals = r_full * z
+    groups = v // INT2_GROUP if bits == 2 else 1
+    xg = x.view(n, h, k, groups, v // groups)  # row factors per value group
+    w = impact.float().view(1, h, k, 1, 1)
+    r = fp16_round(torch.sqrt(xg.abs().mean(-1, keepdim=True).clamp_min(1e-20) / w))
+    y = xg / r
+    c = fp16_round(y.abs().amax(2, keepdim=True) / q)  # [N, h, 1, G, V/G]
+    z = quantize_levels(y / c, bits)
+    vals = z * r
     w2 = w * w
-    num = (w2 * vals * x).sum(-2)
-    den = (w2 * vals * vals).sum(-2)
+    num = (w2 * vals * xg).sum(2, keepdim=True)
+    den = (w2 * vals * vals).sum(2, keepdim=True)
     c = torch.where(den > 0, fp16_round(num / den.clamp_min(1e-30)), c)
-    z = quantize_levels(y / c.unsqueeze(-2), bits)
-    return z, r, c
+    z = quantize_levels(y / c, bits)
+    return z.view(n, h, k, v), r.view(n, h, k, groups), c.view(n, h, v)
 
 
 # ---------------------------------------------------------------------------
@@ -173,10 +171,10 @@ def decode(records: torch.Tensor, layout: StateLayout) -> torch.Tensor:
             out[:, i] = raw.contiguous().view(torch.float16).view(n, k, v).float()
             continue
         z = _to_signed(unpack_codes(raw, s.bits, k, v), s.bits)
-        r = records[:, s.rows : s.rows + 2 * k * s.row_groups].contiguous().view(torch.float16)
-        r = r.view(n, k, s.row_groups).float().repeat_interleave(v // s.row_groups, dim=-1)
-        c = records[:, s.cols : s.cols + 2 * v].contiguous().view(torch.float16).view(n, 1, v).float()
-        out[:, i] = r * c * z
+        g = s.row_groups
+        r = records[:, s.rows : s.rows + 2 * k * g].contiguous().view(torch.float16).view(n, k, g, 1).float()
+        c = records[:, s.cols : s.cols + 2 * v].contiguous().view(torch.float16).view(n, 1, g, v // g).float()
+        out[:, i] = (r * c * z.view(n, k, g, v // g)).view(n, k, v)
     return out
 
 
