@@ -64,6 +64,8 @@ def knapsack(cost: np.ndarray, widths: tuple[int, ...], budget: int) -> tuple[li
         new = np.full(budget + 1, inf)
         pick = np.zeros(budget + 1, dtype=np.int64)
         for c, b in enumerate(widths):
+            if b > budget:
+                continue
             cand = np.full(budget + 1, inf)
             cand[b:] = best[: budget + 1 - b] + cost[u, c]
             better = cand < new
