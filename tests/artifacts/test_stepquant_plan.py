@@ -182,3 +182,26 @@ def test_committed_house_plan():
     for layer in plan.layers:
         assert set(plan.head_bits(6, layer)) <= {4, 6, 8} and sum(plan.head_bits(6, layer)) <= 24
         assert set(plan.head_bits(4, layer)) <= {2, 4, 6, 8} and sum(plan.head_bits(4, layer)) <= 16
+
+
+FORK_AFTER_LOAD = """
+import os, sys
+from vllm_kvq.artifacts.stepquant import StepQuantPlan
+StepQuantPlan.load(sys.argv[1])
+pid = os.fork()
+if pid == 0:
+    StepQuantPlan.load(sys.argv[1]).impact(0)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def test_loading_leaves_the_process_safe_to_fork():
+    """vLLM validates the plan in the parent, then forks the engine core, which loads it again."""
+    import subprocess
+    import sys
+
+    art = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"
+    done = subprocess.run([sys.executable, "-c", FORK_AFTER_LOAD, str(art)], timeout=120)
+    assert done.returncode == 0

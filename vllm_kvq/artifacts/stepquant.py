@@ -35,6 +35,13 @@ DISTORTION_WIDTHS = WIDTHS  # columns of distortion.<layer>
 GEO_MEAN_TOL = 1e-3
 
 
+def _np64(t: torch.Tensor) -> np.ndarray:
+    """fp64 numpy copy without torch kernels: vLLM forks its engine after
+    validating in the parent, and a child hangs if the parent used torch's
+    OpenMP pool (numpy is fork-safe)."""
+    return t.detach().cpu().numpy().astype(np.float64)
+
+
 @dataclass
 class StepQuantPlan:
     """Widths and impact factors for every GDN layer of one model."""
@@ -226,7 +233,7 @@ class StepQuantPlan:
             name = f"impact.{layer}"
             if tuple(w.shape) != (hv, k):
                 raise ArtifactError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({hv}, {k})")
-            w64 = w.double().numpy()
+            w64 = _np64(w)
             if not np.isfinite(w64).all():
                 raise ArtifactError(f"{where}: {name} contains NaN or Inf; {fix}")
             if not (w64 > 0).all():
@@ -242,7 +249,7 @@ class StepQuantPlan:
                     continue
                 if tuple(t.shape) != shape:
                     raise ArtifactError(f"{where}: {tname}.{layer} has shape {tuple(t.shape)}, expected {shape}")
-                t64 = t.double().numpy()
+                t64 = _np64(t)
                 if np.isnan(t64).any() or np.isposinf(t64).any():
                     raise ArtifactError(f"{where}: {tname}.{layer} contains NaN or +Inf")
                 if tname == "log_decay" and (t64 > 0).any():
