@@ -81,11 +81,13 @@ def run_recurrence(q, k, v, g, beta, initial_state: torch.Tensor | None = None,
 
 def gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
-                     on_update=None, on_inputs=None, **_ignored):
-    """transformers-compatible entry point (``chunk_size`` and varlen kwargs are ignored).
+                     on_update=None, on_inputs=None, cu_seqlens=None, **_ignored):
+    """transformers-compatible entry point (``chunk_size`` is ignored).
 
     ``on_inputs(q, k, v, g, beta)`` receives the prepared fp32 inputs once.
     """
+    if cu_seqlens is not None:
+        raise NotImplementedError("packed (varlen) sequences: calibrate with one sequence per batch row")
     dtype = query.dtype
     q, k, v, g32, b32 = prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel)
     if on_inputs is not None:
