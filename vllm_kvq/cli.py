@@ -56,6 +56,8 @@ def calibrate(argv: list[str]) -> None:
     ap.add_argument("--pivot-fraction", type=float, default=None,
                     help="--stepquant: share of each layer's value heads kept as FP16 pivots (default 32/2304)")
     ap.add_argument("--horizon", type=int, default=None, help="--stepquant: lifetime horizon H in tokens (2048)")
+    ap.add_argument("--snapshots", type=int, default=None,
+                    help="--stepquant: state snapshots kept per GDN layer to score widths on (64)")
     ap.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
     ap.add_argument("--value-target", choices=("proxy", "exact"), default="proxy",
                     help="proxy: V^T diag(k C_Q k^T) V; exact: V^T S^T S V from the causal softmax")
@@ -71,8 +73,8 @@ def calibrate(argv: list[str]) -> None:
     if a.stepquant:
         _calibrate_stepquant(a)
         return
-    if a.pivot_fraction is not None or a.horizon is not None:
-        ap.error("--pivot-fraction and --horizon need --stepquant")
+    if a.pivot_fraction is not None or a.horizon is not None or a.snapshots is not None:
+        ap.error("--pivot-fraction, --horizon and --snapshots need --stepquant")
     from vllm_kvq.artifacts import OscarArtifact
     from vllm_kvq.artifacts.inspect import summary
     from vllm_kvq.calib.calibrate import calibrate as run
@@ -89,11 +91,13 @@ def _calibrate_stepquant(a) -> None:
     from vllm_kvq.artifacts.stepquant import StepQuantPlan
     from vllm_kvq.calib.stepquant import allocate
     from vllm_kvq.calib.stepquant.calibrate import TOKENS, calibrate_stepquant
+    from vllm_kvq.calib.stepquant.stats import RESERVOIR
 
     out = calibrate_stepquant(
         a.model, a.data, a.out, tokens=TOKENS if a.tokens is None else a.tokens, seq_len=a.seq_len,
         pivot_fraction=allocate.PIVOT_FRACTION if a.pivot_fraction is None else a.pivot_fraction,
-        horizon=allocate.HORIZON if a.horizon is None else a.horizon, device=a.device, dtype=a.dtype,
+        horizon=allocate.HORIZON if a.horizon is None else a.horizon,
+        snapshots=RESERVOIR if a.snapshots is None else a.snapshots, device=a.device, dtype=a.dtype,
         tokenizer=a.tokenizer)
     print(stepquant_summary(StepQuantPlan.load(out)))
 

@@ -331,7 +331,8 @@ def test_cli_calibrates_and_inspects_the_house_model(tmp_path):
     model = MODELS / "house-qwen3next"
     out = tmp_path / "plan"
     done = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "calibrate", str(model), "--data", str(DATA),
-                           "--out", str(out), "--stepquant", "--tokens", "512", "--seq-len", "256"],
+                           "--out", str(out), "--stepquant", "--tokens", "512", "--seq-len", "256",
+                           "--pivot-fraction", "0.25", "--snapshots", "16"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "STEPQuant state plan" in done.stdout and "GDN state statistics" in done.stderr
@@ -339,11 +340,15 @@ def test_cli_calibrates_and_inspects_the_house_model(tmp_path):
     assert plan.layers == [0, 1, 2, 4, 5, 6] and plan.budgets == [6, 4]
     assert (plan.num_v_heads, plan.k_dim, plan.v_dim) == (4, 128, 128)
     assert plan.provenance["tokens"] == 512 and plan.provenance["seconds"] > 0
+    assert plan.provenance["snapshots"] == 16 and plan.settings["pivots_per_layer"] == 1
     for layer in plan.layers:
-        assert sum(plan.head_bits(6, layer)) <= 24 and sum(plan.head_bits(4, layer)) <= 16
+        for b in (6, 4):  # one FP16 pivot per layer (round(0.25 * 4)), counted as 8 bits
+            bits = plan.head_bits(b, layer)
+            assert bits.count(16) == 1 and sum(8 if x == 16 else x for x in bits) <= 4 * b
         assert plan.impact(layer).shape == (4, 128)
         assert torch.isfinite(plan.log_decay[layer]).all() and (plan.log_decay[layer] < 0).all()
     shown = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(out), "--model", str(model)],
                            capture_output=True, text=True)
     assert shown.returncode == 0, shown.stderr
     assert "layer 6:" in shown.stdout and "bits/value" in shown.stdout and "half-life" in shown.stdout
+    assert "pivots [" in shown.stdout
