@@ -7,6 +7,7 @@ import torch
 from vllm_kvq.artifacts.stepquant import DISTORTION_WIDTHS, StepQuantPlan
 from vllm_kvq.calib.stepquant.allocate import (CANDIDATES, GAMMA, HORIZON, PIVOT_FRACTION, allocate_layer,
                                                impact_factors, lifetime_weight, pivot_count)
+from vllm_kvq.calib.stepquant.distortion import distortions
 from vllm_kvq.calib.stepquant.stats import LayerStats
 
 
@@ -27,7 +28,7 @@ def fit_plan(stats: dict[int, LayerStats], fingerprint: dict, geometry: dict, *,
             raise ValueError(f"layer {layer} has no state snapshots; calibrate on more tokens")
         w = impact_factors(st.omega, gamma)
         life = lifetime_weight(st.log_decay, horizon)
-        d = distortions_of(st, w)
+        d = distortions(st.states(), w.float(), DISTORTION_WIDTHS)  # [HV, 4] fp64
         for b in budgets:
             widths = CANDIDATES[b]
             cols = [DISTORTION_WIDTHS.index(x) for x in widths]
@@ -44,8 +45,3 @@ def fit_plan(stats: dict[int, LayerStats], fingerprint: dict, geometry: dict, *,
         provenance=dict(provenance or {}),
     )
 
-
-def distortions_of(st: LayerStats, w: torch.Tensor) -> torch.Tensor:
-    from vllm_kvq.calib.stepquant.distortion import distortions
-
-    return distortions(st.states(), w.float(), DISTORTION_WIDTHS)
