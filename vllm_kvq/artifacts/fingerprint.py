@@ -44,3 +44,26 @@ def model_fingerprint(hf_config) -> dict:
         fp[name] = head_dim(cfg) if name == "head_dim" else getattr(cfg, name, None)
     fp["attention_layers"] = attention_layers(hf_config)
     return fp
+
+
+def gdn_layers(hf_config) -> list[int]:
+    """Indices of the gated-delta-net (linear-attention) layers of a hybrid."""
+    cfg = text_config(hf_config)
+    types = getattr(cfg, "layer_types", None) or []
+    return [i for i, t in enumerate(types) if t == "linear_attention"]
+
+
+def gdn_geometry(hf_config) -> dict:
+    """GDN state shape of a hybrid: layers, value/key heads, K and V (before TP)."""
+    cfg = text_config(hf_config)
+    layers = gdn_layers(hf_config)
+    if not layers or getattr(cfg, "linear_num_value_heads", None) is None:
+        raise ValueError("the model has no gated-delta-net layers (config lacks linear_attention layer_types "
+                         "or linear_num_value_heads); STEPQuant needs a GDN hybrid such as Qwen3-Next or Qwen3.5")
+    return {
+        "layers": layers,
+        "num_v_heads": int(cfg.linear_num_value_heads),
+        "num_k_heads": int(cfg.linear_num_key_heads),
+        "k_dim": int(cfg.linear_key_head_dim),
+        "v_dim": int(cfg.linear_value_head_dim),
+    }

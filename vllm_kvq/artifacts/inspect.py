@@ -35,3 +35,46 @@ def summary(art: OscarArtifact) -> str:
         vs = _spectrum(art.eigenvalues["v"][layer]) if layer in art.eigenvalues.get("v", {}) else "-"
         lines.append(f"{layer:>5}  {art.k_clip[layer]:.3f}   {art.v_clip[layer]:.3f}   {ks:<34}  {vs}")
     return "\n".join(lines)
+
+
+def stepquant_summary(plan) -> str:
+    """Per GDN layer: widths per budget, pivots, ℓ / half-life, spread of w, record size."""
+    from vllm_kvq.kernels.stepquant.format import fp32_state_bytes
+
+    fp = plan.fingerprint
+    hv, k, v = plan.num_v_heads, plan.k_dim, plan.v_dim
+    fp32 = fp32_state_bytes(hv, k, v)
+    s = plan.settings
+    lines = [
+        f"artifact {plan.source}: valid (schema v1, STEPQuant state plan)",
+        f"model: {fp.get('architecture')} layers={fp.get('num_hidden_layers')} hidden={fp.get('hidden_size')}",
+        f"GDN state: {len(plan.layers)} layers {plan.layers}, {hv} value heads"
+        + (f" ({plan.num_k_heads} key heads)" if plan.num_k_heads else "") + f", K={k} V={v}, "
+        f"FP32 {fp32:,} B per layer",
+        f"budgets {plan.budgets}; horizon={s.get('horizon')} gamma={s.get('gamma')} "
+        f"pivots/layer={s.get('pivots_per_layer')} (fraction {s.get('pivot_fraction', 0):.4f})",
+    ]
+    if plan.provenance:
+        lines.append(f"provenance: {plan.provenance}")
+    for layer in plan.layers:
+        lines.append(f"layer {layer}:")
+        if layer in plan.log_decay:
+            ell = plan.log_decay[layer].double()
+            hl = plan.half_life(layer)
+            lines.append("  log decay  " + " ".join(f"{x:9.4f}" for x in ell.tolist()))
+            lines.append("  half-life  " + " ".join(f"{x:9.2f}" for x in hl.tolist()) + "  tokens")
+        w = plan.impact(layer).double()
+        spread = (w.max(-1).values / w.min(-1).values).tolist()
+        lines.append("  w max/min  " + " ".join(f"{x:9.2f}" for x in spread))
+        for b in plan.budgets:
+            layout = plan.layout(b, layer)
+            piv = plan.pivots(b, layer)
+            lines.append(
+                f"  @{b}: widths {list(plan.head_bits(b, layer))} pivots {piv or '-'} "
+                f"{layout.bits_per_value():.3f} bits/value, {layout.packed_bytes:,} B "
+                f"({fp32 / layout.packed_bytes:.2f}x smaller than FP32)")
+    for b in plan.budgets:
+        page = max(plan.layout(b, layer).packed_bytes for layer in plan.layers)
+        lines.append(f"@{b}: state page {page:,} B per layer and request (largest layer) vs {fp32:,} B FP32 "
+                     f"({fp32 / page:.2f}x)")
+    return "\n".join(lines)

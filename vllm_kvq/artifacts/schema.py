@@ -34,6 +34,35 @@ class ArtifactError(ValueError):
     """An artifact that must not be served; the message names the fix."""
 
 
+def read_manifest(path: Path, fix: str) -> dict:
+    """manifest.json of an artifact directory, with format and version checked.
+
+    ``fix`` tells the user what to point where when there is no manifest.
+    """
+    where = f"artifact {path}"
+    if not (path / MANIFEST).is_file():
+        raise ArtifactError(f"{where}: no {MANIFEST}; {fix}")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{where}: {MANIFEST} is not valid JSON ({e})") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ArtifactError(f"{where}: format {got!r} is not {FORMAT_NAME!r}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactError(
+            f"{where}: unknown format_version {version!r}; this vllm-kvq reads "
+            f"version {FORMAT_VERSION}. Re-run `vllm-kvq calibrate` or upgrade vllm-kvq"
+        )
+    return manifest
+
+
+def artifact_kind(directory: str | Path) -> str:
+    """'oscar' or 'stepquant' (validated manifest header; ArtifactError otherwise)."""
+    return read_manifest(Path(directory), "expected a directory made by `vllm-kvq calibrate`").get("kind", "oscar")
+
+
 @dataclass
 class OscarArtifact:
     """Rotations and clip ratios for every full-attention layer of one model."""
@@ -94,20 +123,15 @@ class OscarArtifact:
         """Read and validate an artifact; raise ArtifactError on any defect."""
         path = Path(directory)
         where = f"artifact {path}"
-        if not (path / MANIFEST).is_file():
-            raise ArtifactError(f"{where}: no {MANIFEST}; point kvq.artifact at a directory made by `vllm-kvq calibrate`")
-        try:
-            manifest = json.loads((path / MANIFEST).read_text())
-        except json.JSONDecodeError as e:
-            raise ArtifactError(f"{where}: {MANIFEST} is not valid JSON ({e})") from e
-        if manifest.get("format") != FORMAT_NAME:
-            raise ArtifactError(f"{where}: format {manifest.get('format')!r} is not {FORMAT_NAME!r}")
-        version = manifest.get("format_version")
-        if version != FORMAT_VERSION:
+        manifest = read_manifest(path, "point kvq.artifact at a directory made by `vllm-kvq calibrate`")
+        kind = manifest.get("kind", "oscar")
+        if kind == "stepquant":
             raise ArtifactError(
-                f"{where}: unknown format_version {version!r}; this vllm-kvq reads "
-                f"version {FORMAT_VERSION}. Re-run `vllm-kvq calibrate` or upgrade vllm-kvq"
+                f"{where} is a STEPQuant state plan (kind 'stepquant'), not an OSCAR KV-cache artifact; "
+                "pass it as kvq.state_artifact"
             )
+        if kind != "oscar":
+            raise ArtifactError(f"{where}: unknown artifact kind {kind!r}; expected 'oscar'")
         required = ("model_fingerprint", "head_dim", "num_kv_heads", "layers", "granularity", "k_clip", "v_clip")
         missing = [k for k in required if k not in manifest]
         if missing:

@@ -1,0 +1,281 @@
+"""STEPQuant state plan: per-head widths of every GDN layer's state record.
+
+Same container as the OSCAR artifact (format ``vllm-kvq``, version 1), with
+``"kind": "stepquant"``::
+
+    manifest.json        fingerprint, GDN geometry, budgets, widths per
+                         budget / layer / value head, calibration settings
+    tensors.safetensors  impact.<layer>     w  [HV, K] fp32 (geo-mean 1 per head)
+                         log_decay.<layer>  ℓ  [HV]    fp64 (mean log retention)
+                         omega.<layer>      ω  [HV, K] fp64 (row impact before w)
+                         distortion.<layer> d  [HV, 4] fp64 (widths 2, 4, 6, 8; optional)
+
+Widths are per value head over all heads of the model (before tensor
+parallelism): 2, 4, 6, 8, or 16 for an FP16 pivot. For each nominal budget
+b̄, a layer's widths sum to at most b̄·HV with a pivot counted as 8 bits. The
+impact w is fixed; the online codec refits row and column scales every step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vllm_kvq.artifacts.schema import FORMAT_NAME, FORMAT_VERSION, MANIFEST, TENSORS, ArtifactError, read_manifest
+from vllm_kvq.kernels.stepquant.format import PIVOT, WIDTHS, StateLayout
+
+KIND = "stepquant"
+PIVOT_BUDGET_BITS = 8
+DISTORTION_WIDTHS = WIDTHS  # columns of distortion.<layer>
+GEO_MEAN_TOL = 1e-3
+
+
+def _np64(t: torch.Tensor) -> np.ndarray:
+    """fp64 numpy copy without torch kernels: vLLM forks its engine after
+    validating in the parent, and a child hangs if the parent used torch's
+    OpenMP pool (numpy is fork-safe)."""
+    return t.detach().cpu().numpy().astype(np.float64)
+
+
+@dataclass
+class StepQuantPlan:
+    """Widths and impact factors for every GDN layer of one model."""
+
+    fingerprint: dict
+    layers: list[int]
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    budgets: list[int]
+    bits: dict[int, dict[int, tuple[int, ...]]]  # budget -> layer -> widths per value head
+    impacts: dict[int, torch.Tensor]  # layer -> w [HV, K]
+    log_decay: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> ℓ [HV]
+    omega: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> ω [HV, K]
+    distortion: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> d [HV, 4]
+    num_k_heads: int | None = None
+    settings: dict = field(default_factory=dict)  # horizon, gamma, pivot_fraction, candidates
+    provenance: dict = field(default_factory=dict)
+    source: str = "<memory>"
+
+    # --------------------------------------------------------------- access
+    def head_bits(self, budget: int, layer: int) -> tuple[int, ...]:
+        """Widths of the layer's value heads at nominal ``budget`` (16 = FP16 pivot)."""
+        if budget not in self.bits:
+            raise ArtifactError(f"artifact {self.source}: no plan for budget {budget}; it has {self.budgets}")
+        if layer not in self.bits[budget]:
+            raise ArtifactError(f"artifact {self.source}: layer {layer} is not a GDN layer of the plan {self.layers}")
+        return tuple(self.bits[budget][layer])
+
+    def impact(self, layer: int) -> torch.Tensor:
+        """w ``[num_v_heads, k_dim]`` fp32 for the layer."""
+        if layer not in self.impacts:
+            raise ArtifactError(f"artifact {self.source}: layer {layer} is not a GDN layer of the plan {self.layers}")
+        return self.impacts[layer].float()
+
+    def pivots(self, budget: int, layer: int) -> list[int]:
+        return [h for h, b in enumerate(self.head_bits(budget, layer)) if b == PIVOT]
+
+    def layout(self, budget: int, layer: int) -> StateLayout:
+        """Packed record layout of the layer's full state (all heads, no padding)."""
+        return StateLayout(self.head_bits(budget, layer), self.k_dim, self.v_dim)
+
+    # ------------------------------------------------------------------ I/O
+    def save(self, directory: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        self.validate()
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {}
+        for layer in self.layers:
+            tensors[f"impact.{layer}"] = self.impacts[layer].float().contiguous()
+            for name, table in (("log_decay", self.log_decay), ("omega", self.omega),
+                                ("distortion", self.distortion)):
+                if layer in table:
+                    tensors[f"{name}.{layer}"] = table[layer].double().contiguous()
+        save_file(tensors, str(out / TENSORS))
+        manifest = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "kind": KIND,
+            "model_fingerprint": self.fingerprint,
+            "layers": self.layers,
+            "num_v_heads": self.num_v_heads,
+            "num_k_heads": self.num_k_heads,
+            "k_dim": self.k_dim,
+            "v_dim": self.v_dim,
+            "budgets": self.budgets,
+            "bits": {str(b): {str(layer): list(self.bits[b][layer]) for layer in self.layers} for b in self.budgets},
+            "settings": self.settings,
+            "provenance": self.provenance,
+        }
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, directory: str | Path, expected_fingerprint: dict | None = None) -> "StepQuantPlan":
+        """Read and validate a plan; raise ArtifactError on any defect."""
+        path = Path(directory)
+        where = f"artifact {path}"
+        manifest = read_manifest(
+            path, "point kvq.state_artifact at a directory made by `vllm-kvq calibrate MODEL --stepquant`")
+        kind = manifest.get("kind", "oscar")
+        if kind == "oscar":
+            raise ArtifactError(
+                f"{where} is an OSCAR KV-cache artifact (kind 'oscar'), not a STEPQuant state plan; pass it as "
+                "kvq.artifact, and make a state plan with `vllm-kvq calibrate MODEL --stepquant`"
+            )
+        if kind != KIND:
+            raise ArtifactError(f"{where}: unknown artifact kind {kind!r}; expected {KIND!r}")
+        required = ("model_fingerprint", "layers", "num_v_heads", "k_dim", "v_dim", "budgets", "bits")
+        missing = [k for k in required if k not in manifest]
+        if missing:
+            raise ArtifactError(f"{where}: manifest lacks {missing}; re-run `vllm-kvq calibrate --stepquant`")
+        if not (path / TENSORS).is_file():
+            raise ArtifactError(f"{where}: no {TENSORS}; re-run `vllm-kvq calibrate --stepquant`")
+        from safetensors import safe_open
+
+        tensors = {}
+        with safe_open(str(path / TENSORS), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+        try:
+            layers = [int(x) for x in manifest["layers"]]
+            budgets = [int(b) for b in manifest["budgets"]]
+            raw_bits = manifest["bits"]
+            bits = {}
+            for b in budgets:
+                if str(b) not in raw_bits:
+                    raise ArtifactError(f"{where}: no widths for budget {b}")
+                per_layer = raw_bits[str(b)]
+                bits[b] = {}
+                for layer in layers:
+                    if str(layer) not in per_layer:
+                        raise ArtifactError(f"{where}: budget {b} has no widths for layer {layer}")
+                    bits[b][layer] = tuple(int(x) for x in per_layer[str(layer)])
+        except (TypeError, ValueError, AttributeError) as e:
+            if isinstance(e, ArtifactError):
+                raise
+            raise ArtifactError(f"{where}: malformed layers/budgets/bits in {MANIFEST} ({e})") from e
+
+        def table(name: str, required: bool = False) -> dict[int, torch.Tensor]:
+            out = {}
+            for layer in layers:
+                key = f"{name}.{layer}"
+                if key in tensors:
+                    out[layer] = tensors[key]
+                elif required:
+                    raise ArtifactError(f"{where}: missing tensor {key!r} for layer {layer}")
+            return out
+
+        plan = cls(
+            fingerprint=manifest["model_fingerprint"],
+            layers=layers,
+            num_v_heads=int(manifest["num_v_heads"]),
+            k_dim=int(manifest["k_dim"]),
+            v_dim=int(manifest["v_dim"]),
+            budgets=budgets,
+            bits=bits,
+            impacts=table("impact", required=True),
+            log_decay=table("log_decay"),
+            omega=table("omega"),
+            distortion=table("distortion"),
+            num_k_heads=manifest.get("num_k_heads"),
+            settings=manifest.get("settings", {}),
+            provenance=manifest.get("provenance", {}),
+            source=str(path),
+        )
+        plan.validate()
+        if expected_fingerprint is not None:
+            plan.check_model(expected_fingerprint)
+        return plan
+
+    # ----------------------------------------------------------- validation
+    def validate(self) -> None:
+        where = f"artifact {self.source}"
+        fix = "re-run `vllm-kvq calibrate --stepquant`"
+        if not self.layers:
+            raise ArtifactError(f"{where}: the plan covers no GDN layers; {fix} on a GDN hybrid")
+        if len(set(self.layers)) != len(self.layers):
+            raise ArtifactError(f"{where}: duplicate layers in {self.layers}")
+        if not self.budgets:
+            raise ArtifactError(f"{where}: no budgets; {fix}")
+        hv, k = self.num_v_heads, self.k_dim
+        if hv <= 0 or k <= 0 or self.v_dim <= 0:
+            raise ArtifactError(f"{where}: bad geometry num_v_heads={hv} k_dim={k} v_dim={self.v_dim}")
+        allowed = set(WIDTHS) | {PIVOT}
+        for b in self.budgets:
+            for layer in self.layers:
+                widths = self.bits.get(b, {}).get(layer)
+                if widths is None:
+                    raise ArtifactError(f"{where}: budget {b} has no widths for layer {layer}")
+                if len(widths) != hv:
+                    raise ArtifactError(
+                        f"{where}: budget {b} layer {layer} has {len(widths)} widths, expected {hv} (one per value head)")
+                bad = sorted({w for w in widths if w not in allowed})
+                if bad:
+                    raise ArtifactError(
+                        f"{where}: budget {b} layer {layer} has widths {bad}; allowed are {sorted(allowed)} (16 = pivot)")
+                spent = sum(PIVOT_BUDGET_BITS if w == PIVOT else w for w in widths)
+                if spent > b * hv:
+                    raise ArtifactError(
+                        f"{where}: budget {b} layer {layer} spends {spent} bits > {b}x{hv} = {b * hv} "
+                        f"(a pivot counts as 8); {fix}")
+        for layer in self.layers:
+            w = self.impacts.get(layer)
+            if w is None:
+                raise ArtifactError(f"{where}: missing tensor 'impact.{layer}' for layer {layer}")
+            name = f"impact.{layer}"
+            if tuple(w.shape) != (hv, k):
+                raise ArtifactError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({hv}, {k})")
+            w64 = _np64(w)
+            if not np.isfinite(w64).all():
+                raise ArtifactError(f"{where}: {name} contains NaN or Inf; {fix}")
+            if not (w64 > 0).all():
+                raise ArtifactError(f"{where}: {name} has non-positive entries; impacts must be > 0; {fix}")
+            drift = float(np.abs(np.log(w64).mean(-1)).max())
+            if drift > GEO_MEAN_TOL:
+                raise ArtifactError(
+                    f"{where}: {name} is not normalised (|mean log w| = {drift:.3g} per head, want 0); {fix}")
+            for tname, table, shape in (("log_decay", self.log_decay, (hv,)), ("omega", self.omega, (hv, k)),
+                                        ("distortion", self.distortion, (hv, len(DISTORTION_WIDTHS)))):
+                t = table.get(layer)
+                if t is None:
+                    continue
+                if tuple(t.shape) != shape:
+                    raise ArtifactError(f"{where}: {tname}.{layer} has shape {tuple(t.shape)}, expected {shape}")
+                t64 = _np64(t)
+                if np.isnan(t64).any() or np.isposinf(t64).any():
+                    raise ArtifactError(f"{where}: {tname}.{layer} contains NaN or +Inf")
+                if tname == "log_decay" and (t64 > 0).any():
+                    raise ArtifactError(f"{where}: log_decay.{layer} has positive entries (a gate above 1)")
+
+    def check_model(self, fingerprint: dict) -> None:
+        """Fail unless this plan was made for a model with this fingerprint."""
+        where = f"artifact {self.source}"
+        diffs = {k: (self.fingerprint.get(k), v) for k, v in fingerprint.items() if self.fingerprint.get(k) != v}
+        if diffs:
+            detail = ", ".join(f"{k}: artifact {a!r} vs model {b!r}" for k, (a, b) in diffs.items())
+            raise ArtifactError(
+                f"{where} was calibrated for a different model ({detail}); "
+                "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`"
+            )
+        attn, n = fingerprint.get("attention_layers"), fingerprint.get("num_hidden_layers")
+        if attn is not None and n is not None:
+            want = [i for i in range(int(n)) if i not in set(attn)]
+            if sorted(self.layers) != want:
+                raise ArtifactError(
+                    f"{where} covers GDN layers {sorted(self.layers)} but the model's are {want}; "
+                    "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`"
+                )
+
+    # -------------------------------------------------------------- summary
+    def half_life(self, layer: int) -> torch.Tensor:
+        """Gate half-life log 2 / (−ℓ) in tokens per head (inf at ℓ = 0)."""
+        ell = self.log_decay[layer].double()
+        return torch.where(ell < 0, math.log(2.0) / (-ell), torch.full_like(ell, math.inf))

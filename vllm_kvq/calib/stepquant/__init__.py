@@ -1,0 +1,1 @@
+"""STEPQuant calibration: GDN state statistics → per-head width plan."""
