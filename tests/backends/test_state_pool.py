@@ -11,22 +11,12 @@ import os
 import pytest
 
 from tests.conftest import make_llm, needles, shutdown
+from vllm_kvq.backends.state_pool import allocated_state_bytes
 
 pytestmark = pytest.mark.slow
 MODEL = "house-qwen3next"
 TIE = 0.25  # top-2 logprob margin under which a bf16 model's greedy choice is a coin toss
 GDN_LAYERS = 6
-
-
-def state_pages(model):
-    """Per GDN layer: the recurrent state's per-slot shape and dtype, and the
-    bytes vLLM allocated per slot (the page, conv state and padding included)."""
-    out = []
-    for module in model.modules():
-        if type(module).__name__ == "QwenGatedDeltaNetAttention":
-            conv, ssm = module.kv_cache
-            out.append((tuple(ssm.shape[1:]), str(ssm.dtype), conv.stride(0) * conv.element_size()))
-    return out
 
 
 def run(greedy, prompts, kvq=None, **kw):
@@ -35,7 +25,7 @@ def run(greedy, prompts, kvq=None, **kw):
     extra = {"additional_config": {"kvq": kvq}} if kvq else {}
     llm = make_llm(MODEL, dtype="bfloat16", max_model_len=2048, mamba_ssm_cache_dtype="float32", **extra, **kw)
     try:
-        layers = llm.apply_model(state_pages)[0]
+        layers = llm.apply_model(allocated_state_bytes)[0]
         assert len(layers) == GDN_LAYERS
         if kvq:
             assert all(dtype == "torch.uint8" and len(shape) == 1 for shape, dtype, _ in layers)
