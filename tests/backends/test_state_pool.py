@@ -10,28 +10,35 @@ import os
 
 import pytest
 
-from tests.conftest import make_llm, needles, shutdown
+from tests.conftest import REPO, make_llm, needles, shutdown
+from vllm_kvq.artifacts.stepquant import StepQuantPlan
 from vllm_kvq.backends.state_pool import allocated_state_bytes
 
 pytestmark = pytest.mark.slow
+PLAN = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"
+OSCAR = REPO / "examples" / "artifacts" / "house-qwen3next-oscar"
 MODEL = "house-qwen3next"
 TIE = 0.25  # top-2 logprob margin under which a bf16 model's greedy choice is a coin toss
 GDN_LAYERS = 6
 
 
-def run(greedy, prompts, kvq=None, **kw):
+def run(greedy, prompts, kvq=None, return_ranks=False, **kw):
     """(per-request state-pool bytes, outputs) of one engine; FP32 states unless ``kvq`` says otherwise."""
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
     extra = {"additional_config": {"kvq": kvq}} if kvq else {}
     llm = make_llm(MODEL, dtype="bfloat16", max_model_len=2048, mamba_ssm_cache_dtype="float32", **extra, **kw)
     try:
-        layers = llm.apply_model(allocated_state_bytes)[0]
-        assert len(layers) == GDN_LAYERS
-        if kvq:
-            assert all(dtype == "torch.uint8" and len(shape) == 1 for shape, dtype, _ in layers)
-        else:
-            assert all(dtype == "torch.float32" and list(shape) == [4, 128, 128] for shape, dtype, _ in layers)
-        return sum(page for *_, page in layers), llm.generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
+        ranks = llm.apply_model(allocated_state_bytes)
+        for layers in ranks:
+            assert len(layers) == GDN_LAYERS
+            for layer in layers:
+                if kvq and kvq.get("state"):
+                    assert layer["dtype"] == "torch.uint8" and len(layer["shape"]) == 1
+                else:
+                    assert layer["dtype"] == "torch.float32" and layer["shape"][1:] == [128, 128]
+        pool = sum(layer["page_bytes"] for layer in ranks[0])
+        outs = llm.generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
+        return (pool, outs, ranks) if return_ranks else (pool, outs)
     finally:
         shutdown(llm)
 
@@ -82,6 +89,52 @@ def test_uniform_int6_pool_is_close_and_small(greedy, prompts, fp32):
     # vLLM pads each state page to whole attention blocks; the pool picks small
     # blocks so the padding stays small: pages as allocated, conv state included
     assert page_ref / page >= 4.5
+
+
+@pytest.fixture(scope="module")
+def stepquant_with_oscar(greedy, prompts):
+    """STEPQuant @6 on the GDN layers and OSCAR INT2 on the attention layers
+    of the same model (sink 16, window 32, so INT2 is read)."""
+    kvq = {"state": "stepquant", "state_artifact": str(PLAN), "state_bits": 6,
+           "artifact": str(OSCAR), "sink": 16, "window": 32}
+    return kvq, run(greedy, prompts, kvq, return_ranks=True, attention_backend="OSCAR")
+
+
+def test_stepquant_with_oscar_attention(greedy, prompts, fp32, stepquant_with_oscar):
+    """Against OSCAR with vLLM's FP32 states: the same INT2 attention, so the
+    difference is the packed state alone."""
+    page_ref, _ = fp32
+    kvq, (page, got, ranks) = stepquant_with_oscar
+    oscar_only = {k: v for k, v in kvq.items() if not k.startswith("state")}
+    _, ref = run(greedy, prompts, oscar_only, attention_backend="OSCAR")
+    compared, mean, worst = compare(got, ref)
+    print(f"\nSTEPQuant @6 + OSCAR vs OSCAR + FP32 state: {compared} tokens equal up to ties, "
+          f"|dlogprob| mean {mean:.4f} max {worst:.4f}; state pool {page:,} B vs {page_ref:,} B "
+          f"({page_ref / page:.2f}x)")
+    assert compared >= 24 and mean < 0.05
+    assert page_ref / page >= 4.5
+    plan = StepQuantPlan.load(PLAN)
+    assert [tuple(layer["bits"]) for layer in ranks[0]] == [plan.head_bits(6, i) for i in plan.layers]
+
+
+def test_tensor_parallel_ranks_hold_their_own_heads(greedy, prompts, stepquant_with_oscar, monkeypatch):
+    """TP=2: each rank packs its own two value heads (widths sliced from the
+    plan; records padded to the larger rank), and tokens equal TP=1's up to
+    its first near tie."""
+    kvq, (_, one, _) = stepquant_with_oscar
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    _, two, ranks = run(greedy, prompts, kvq, return_ranks=True, attention_backend="OSCAR",
+                        tensor_parallel_size=2, distributed_executor_backend="mp")
+    plan = StepQuantPlan.load(PLAN)
+    for rank, layers in enumerate(ranks):
+        for layer in layers:
+            assert tuple(layer["bits"]) == plan.head_bits(6, layer["layer"])[2 * rank: 2 * rank + 2]
+    sizes = {layer["shape"][0] for layers in ranks for layer in layers}
+    assert len(sizes) == 1  # one record size for every layer and rank
+    compared, mean, worst = compare(two, one)
+    print(f"\nTP=2 vs TP=1 (STEPQuant @6 + OSCAR): {compared} tokens equal up to ties, "
+          f"|dlogprob| mean {mean:.4f} max {worst:.4f}")
+    assert compared >= 24
 
 
 def test_state_pool_needs_a_gdn_model():
