@@ -143,7 +143,7 @@ def _patch_gdn_state() -> None:
 def _patch_gdn_layer(module) -> None:
     import torch
 
-    from vllm_kvq.backends.state_pool import layer_pool
+    from vllm_kvq.backends.state_pool import layer_pool, staged_forward_core
 
     cls = module.QwenGatedDeltaNetAttention
     orig_init, orig_shape, orig_dtype = cls.__init__, cls.get_state_shape, cls.get_state_dtype
@@ -166,6 +166,7 @@ def _patch_gdn_layer(module) -> None:
 
     cls.__init__, cls.get_state_shape, cls.get_state_dtype = __init__, get_state_shape, get_state_dtype
     cls._kvq_native_dtypes = orig_dtype
+    cls._forward_core = staged_forward_core(cls._forward_core)
 
 
 def _patch_gdn_cpu_step(module) -> None:

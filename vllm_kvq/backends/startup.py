@@ -59,10 +59,10 @@ def check_state_config(vllm_config) -> None:
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     tp = vllm_config.parallel_config.tensor_parallel_size
     plan = pool_plan(s, model_config.hf_config, tp)
-    if not current_platform.is_cpu():
+    if not current_platform.is_cpu() and not model_config.enforce_eager:
         raise ValueError(
-            f"kvq.state runs inside vLLM on CPU in this release; on {current_platform.device_name} "
-            "serve without kvq.state (the fused Triton step is benchmarked at the op level only)"
+            "kvq.state stages packed states around vLLM's GDN kernels, which CUDA graphs cannot "
+            "capture; pass --enforce-eager"
         )
     if vllm_config.speculative_config is not None:
         raise ValueError("kvq.state does not support speculative decoding; drop the speculative config")

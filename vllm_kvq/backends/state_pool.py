@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import types
 from dataclasses import dataclass
 
 import torch
@@ -152,48 +153,103 @@ def decode_states(records: torch.Tensor, pool: LayerPool) -> torch.Tensor:
 
 
 class _StagedLayer:
-    """The GDN layer as vLLM's kernels see it, with staged states."""
+    """The GDN layer as vLLM's kernels see it, with staged states: attributes
+    come from the layer, methods run on this view (so ``self.kv_cache`` inside
+    them is the scratch)."""
 
     def __init__(self, layer, kv_cache):
         self.__dict__["_layer"] = layer
         self.__dict__["kv_cache"] = kv_cache
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["_layer"], name)
+        layer = self.__dict__["_layer"]
+        for klass in type(layer).__mro__:
+            if name in klass.__dict__:
+                attr = klass.__dict__[name]
+                if isinstance(attr, types.FunctionType):
+                    return types.MethodType(attr, self)
+                break
+        return getattr(layer, name)
+
+
+def _stage(layer, md, pool: LayerPool):
+    """Decode the active slots' records (and copy their conv states) into a
+    scratch indexed 1..n; returns the staged layer, the metadata that points
+    at the scratch, and the function that packs the new states back."""
+    n = md.num_decodes + md.num_prefills
+    slots = md.non_spec_state_indices_tensor[:n].to(torch.long)
+    conv, records = layer.kv_cache
+    k, v = pool.layout.k_dim, pool.layout.v_dim
+    heads = len(pool.layout.bits)
+    states = torch.zeros(n + 1, heads, k, v, dtype=pool.native_dtype, device=records.device)
+    live = slots > 0  # slot 0 is vLLM's null block (padding)
+    fresh = torch.zeros_like(live)
+    if md.num_prefills:
+        fresh[md.num_decodes:] = ~md.has_initial_state[md.num_decodes:n].to(torch.bool)
+    read = live & ~fresh
+    if bool(read.any()):
+        states[1:][read] = decode_states(records[slots[read]], pool).to(pool.native_dtype)
+    conv_scratch = torch.zeros((n + 1, *conv.shape[1:]), dtype=conv.dtype, device=conv.device)
+    conv_scratch[1:][live] = conv[slots[live]]
+    local = torch.arange(1, n + 1, dtype=md.non_spec_state_indices_tensor.dtype, device=slots.device)
+    changes = {"non_spec_state_indices_tensor": local}
+    if getattr(md, "prefill_state_indices", None) is not None:
+        changes["prefill_state_indices"] = local[md.num_decodes:n].to(md.prefill_state_indices.dtype)
+    # The CPU kernels view the state bytes as [HV, K, V] (key rows): the
+    # scratch is laid out that way and declared as vLLM's [HV, V, K]. The CUDA
+    # kernels read [HV, V, K] as it is: the scratch is transposed for them.
+    if records.device.type == "cpu":
+        scratch = states.view(n + 1, heads, v, k)
+    else:
+        scratch = states.transpose(-1, -2).contiguous()
+    proxy = _StagedLayer(layer, (conv_scratch, scratch))
+
+    def finish():
+        new = scratch.view(n + 1, heads, k, v) if records.device.type == "cpu" else scratch.transpose(-1, -2)
+        conv[slots[live]] = conv_scratch[1:][live]
+        records[slots[live]] = encode_states(new[1:][live], pool)
+
+    return proxy, dataclasses.replace(md, **changes), finish
 
 
 def staged(run_native):
-    """Wrap a native GDN step ``run_native(layer, metadata, mixed_qkv, b, a,
-    out)`` so that it reads and writes packed records."""
+    """Wrap vLLM's CPU GDN step ``run_native(layer, metadata, mixed_qkv, b,
+    a, out)`` so that it reads and writes packed records."""
 
     @functools.wraps(run_native)
     def run(layer, md, mixed_qkv, b, a, core_attn_out):
         pool = layer_pool(layer)
         if pool is None:
             return run_native(layer, md, mixed_qkv, b, a, core_attn_out)
-        n = md.num_decodes + md.num_prefills
-        slots = md.non_spec_state_indices_tensor[:n].to(torch.long)
-        conv, records = layer.kv_cache
-        k, v = pool.layout.k_dim, pool.layout.v_dim
-        heads = len(pool.layout.bits)
-        states = torch.zeros(n + 1, heads, k, v, dtype=pool.native_dtype, device=records.device)
-        live = slots > 0  # slot 0 is vLLM's null block (padding)
-        fresh = torch.zeros_like(live)
-        if md.num_prefills:
-            fresh[md.num_decodes:] = ~md.has_initial_state[md.num_decodes:n].to(torch.bool)
-        read = live & ~fresh
-        if bool(read.any()):
-            states[1:][read] = decode_states(records[slots[read]], pool).to(pool.native_dtype)
-        conv_scratch = torch.zeros((n + 1, *conv.shape[1:]), dtype=conv.dtype, device=conv.device)
-        conv_scratch[1:][live] = conv[slots[live]]
-        local = torch.arange(1, n + 1, dtype=md.non_spec_state_indices_tensor.dtype, device=slots.device)
-        # vLLM's CPU kernels view the state bytes as [HV, K, V] (key rows):
-        # the scratch is laid out that way and declared as vLLM's [HV, V, K].
-        proxy = _StagedLayer(layer, (conv_scratch, states.view(n + 1, heads, v, k)))
-        run_native(proxy, dataclasses.replace(md, non_spec_state_indices_tensor=local),
-                   mixed_qkv, b, a, core_attn_out)
-        conv[slots[live]] = conv_scratch[1:][live]
-        records[slots[live]] = encode_states(states[1:][live], pool)
+        proxy, staged_md, finish = _stage(layer, md, pool)
+        run_native(proxy, staged_md, mixed_qkv, b, a, core_attn_out)
+        finish()
+
+    return run
+
+
+def staged_forward_core(forward_core):
+    """The same for the CUDA path, ``layer._forward_core(mixed_qkv, b, a,
+    out)``, which finds its metadata in vLLM's forward context."""
+
+    @functools.wraps(forward_core)
+    def run(self, mixed_qkv, b, a, core_attn_out):
+        pool = layer_pool(self)
+        table = None
+        if pool is not None:
+            from vllm.forward_context import get_forward_context
+
+            table = get_forward_context().attn_metadata
+        md = table.get(self.prefix) if isinstance(table, dict) else None
+        if md is None:
+            return forward_core(self, mixed_qkv, b, a, core_attn_out)
+        proxy, staged_md, finish = _stage(self, md, pool)
+        table[self.prefix] = staged_md
+        try:
+            forward_core(proxy, mixed_qkv, b, a, core_attn_out)
+        finally:
+            table[self.prefix] = md
+        finish()
 
     return run
 
