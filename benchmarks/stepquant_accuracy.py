@@ -5,11 +5,13 @@ dtype; the reference keeps vLLM's FP32 states) with chunked prefill of at most
 ``--chunk`` tokens per request, so the packed state is refitted after every
 chunk as it is after every decoded token, and the attention layers read the
 same cache as in decode. ``--chunk 1`` refits after every token. Writes
-``benchmarks/results/stepquant-accuracy.json`` and ``docs/stepquant.md``'s
-accuracy table.
+``benchmarks/results/stepquant-accuracy[-chunkN].json`` and that chunk size's
+table in ``docs/stepquant.md``.
 
     python benchmarks/stepquant_accuracy.py                 # chunk 64, all rows
-    python benchmarks/stepquant_accuracy.py --render-only
+    python benchmarks/stepquant_accuracy.py --chunk 1 --needles-per-bucket 0 \
+        --ppl-windows 4 --ppl-length 1024 --variants ...    # every token refits
+    python benchmarks/stepquant_accuracy.py --render-only [--chunk 1]
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ def table(saved: dict) -> list[str]:
 def render(path: Path, results_json: Path) -> None:
     saved = json.loads(results_json.read_text())
     text = path.read_text() if path.exists() else ""
-    start, end = "<!-- accuracy:begin -->", "<!-- accuracy:end -->"
+    tag = f"chunk{saved['args']['chunk']}"
+    start, end = f"<!-- accuracy:{tag}:begin -->", f"<!-- accuracy:{tag}:end -->"
     block = "\n".join([start, *table(saved), end])
     if start in text:
         text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
@@ -160,11 +163,12 @@ def main() -> None:
     ap.add_argument("--ppl-windows", type=int, default=8)
     ap.add_argument("--ppl-length", type=int, default=2048)
     ap.add_argument("--variants", nargs="*", help="default: all rows of variants()")
-    ap.add_argument("--json", default=str(REPO / "benchmarks" / "results" / "stepquant-accuracy.json"))
+    ap.add_argument("--json", help="default: benchmarks/results/stepquant-accuracy[-chunkN].json")
     ap.add_argument("--markdown", default=str(REPO / "docs" / "stepquant.md"))
     ap.add_argument("--render-only", action="store_true")
     args = ap.parse_args()
-    out = Path(args.json)
+    suffix = "" if args.chunk == 64 else f"-chunk{args.chunk}"
+    out = Path(args.json or REPO / "benchmarks" / "results" / f"stepquant-accuracy{suffix}.json")
     if not args.render_only:
         from transformers import AutoTokenizer
 
