@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-MODEL_DIR = Path("/tmp/kvq_cuda_model")
+MODEL_DIR = Path(os.environ.get("KVQ_CUDA_MODEL", "/tmp/kvq_cuda_model"))
 OUT = Path(os.environ.get("OUT", "/tmp/kvq_out"))
 
 

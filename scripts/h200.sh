@@ -6,13 +6,15 @@
 #   tests  the Triton kernel tests at serving shapes, compiled (~1 min);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~3 min);
 #   check  the CUDA check in real vLLM, scripts/cuda_check.py (~3 min);
-#   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min).
+#   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
+#   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (~5 min);
+#   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
-steps=" ${*:-tests bench check e2e} "
+steps=" ${*:-tests bench check e2e state fp8} "
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [[ $steps == *" tests "* ]]; then
@@ -29,4 +31,12 @@ fi
 if [[ $steps == *" e2e "* ]]; then
   timeout 540 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
     --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
+fi
+if [[ $steps == *" state "* ]]; then
+  timeout 420 python3 scripts/cuda_state_check.py > "$OUT/cuda_state_check.log" 2>&1; echo "state check rc=$?"
+  [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
+fi
+if [[ $steps == *" fp8 "* ]]; then
+  timeout 240 python3 scripts/cuda_fp8_check.py > "$OUT/cuda_fp8_check.log" 2>&1; echo "fp8 check rc=$?"
+  [ -f "$OUT/cuda_fp8_check.json" ] && cat "$OUT/cuda_fp8_check.json"
 fi
