@@ -333,10 +333,11 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexp
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
-    """INT2 splits per (request, KV head): about eight single-warp programs
-    per SM, each slice at least two pages long."""
-    want = math.ceil(8 * sm_count / max(batch * kv_heads, 1))
-    longest = max(1, max_context // (2 * block_size))
+    """INT2 splits per (request, KV head): about 32 programs per SM, so waves
+    end evenly, each slice at least four pages long (the prologue and the
+    merge stay small against the pages read)."""
+    want = math.ceil(32 * sm_count / max(batch * kv_heads, 1))
+    longest = max(1, max_context // (4 * block_size))
     return max(1, min(want, longest, 256))
 
 
