@@ -95,7 +95,7 @@ def _page_base(row, page, live, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.
 
 @triton.jit
 def _load_scales(cache_f16, base, t, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr):
-    """fp16 (scale, min) of a page's K and V rows as ``[KB, 2 NG]`` tiles."""
+    """fp16 (scale, min) of rows ``t`` of a page, K and V, as ``[len(t), 2 NG]``."""
     j = tl.arange(0, 2 * NG)
     sm = cache_f16 + base // 2 + KB * (D // 4) + t[:, None] * (2 * NG) + j[None, :]
     return tl.load(sm), tl.load(sm + KB * 2 * NG)
@@ -121,7 +121,8 @@ def _split_scales(x, KB: tl.constexpr, NG: tl.constexpr):
 def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, split,
                 H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
                 WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                GP: tl.constexpr, q_scale, ASM: tl.constexpr, NSTAGE: tl.constexpr):
+                GP: tl.constexpr, q_scale, ASM: tl.constexpr, NSTAGE: tl.constexpr,
+                TILE: tl.constexpr):
     """One slice of whole pages of the INT2 range ``[S0, L - W)``.
 
     A tile is one page (KB tokens): its codes and scales are contiguous and are
@@ -134,7 +135,8 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     d4 = tl.arange(0, D4)
-    t = tl.arange(0, KB)
+    SUB: tl.constexpr = KB // TILE
+    t = tl.arange(0, TILE)
     code_off = t[:, None] * D4 + d4[None, :]
     qp = q_base[:, None] + d4[None, :]
     q0 = (tl.load(qp, mask=qmask[:, None], other=0.0).to(tl.float32) * q_scale).to(tl.float16)
@@ -174,20 +176,24 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     a3 = tl.zeros([GP, D4], tl.float32)
     # codes are software-pipelined by Triton (they feed the dots); the scales
     # feed registers, so they are fetched one page ahead by hand
-    base_next = _page_base(row, page_lo, page_lo < page_hi, H, h, D, NG, KB, STATE_BLOCKS)
+    # a step is TILE tokens of one page (SUB steps a page)
+    step_lo = page_lo * SUB
+    step_hi = page_hi * SUB
+    base_next = _page_base(row, page_lo, step_lo < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
     ksm_next, vsm_next = _load_scales(cache_f16, base_next, t, D, NG, KB)
-    for page in tl.range(page_lo, page_hi, num_stages=NSTAGE):
-        base = base_next
+    for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
+        base = base_next + (step % SUB) * (TILE * D4)
         ksm = ksm_next
         vsm = vsm_next
-        base_next = _page_base(row, page + 1, page + 1 < page_hi, H, h, D, NG, KB, STATE_BLOCKS)
-        ksm_next, vsm_next = _load_scales(cache_f16, base_next, t, D, NG, KB)
+        nxt = step + 1
+        base_next = _page_base(row, nxt // SUB, nxt < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
+        ksm_next, vsm_next = _load_scales(cache_f16, base_next, (nxt % SUB) * TILE + t, D, NG, KB)
         kc = tl.load(cache_u8 + base + code_off)
         vc = tl.load(cache_u8 + base + KB * D4 + code_off)
-        pos = page * KB + t
+        pos = step * TILE + t
         ok = (pos >= lo) & (pos < hi)
-        ks_a, km_a, ks_b, km_b = _split_scales(ksm, KB, NG)
-        vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, KB, NG)
+        ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
+        vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, TILE, NG)
         if ASM:
             k0 = _quarter_asm(kc, 0)
             k1 = _quarter_asm(kc, 1)
@@ -296,7 +302,8 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
                    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr,
                    ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_BF16: tl.constexpr,
-                   BLOCK_N: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr):
+                   BLOCK_N: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr,
+                   TILE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -310,7 +317,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     o_base = o_ptr + part * D
     if split < NUM_SPLITS:
         _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr + part, L, split,
-                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, NUM_SPLITS, GP, q_scale, ASM, NSTAGE)
+                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, NUM_SPLITS, GP, q_scale, ASM, NSTAGE, TILE)
     else:
         _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - NUM_SPLITS,
                    H, h, D, G, KB, SINK, WINDOW, ROWS, GP, BLOCK_N, q_scale)
@@ -380,7 +387,8 @@ def decode_attention(
         scale * LOG2E, h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block, NUM_SPLITS=splits,
-        NUM_BF16=n_bf16, BLOCK_N=BF16_TILE, ASM=_compiled(q), NSTAGE=lc["num_stages"], **lc,
+        NUM_BF16=n_bf16, BLOCK_N=BF16_TILE, ASM=_compiled(q), NSTAGE=lc["num_stages"],
+        TILE=min(lc.get("tile", fmt.block_size), fmt.block_size), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), HQ=hq, D=d,
                            PARTS=parts, PARTS_P=triton.next_power_of_2(parts))
