@@ -76,7 +76,8 @@ def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> in
     return batch * hkv * (int2 + bf16) + batch * hq * fmt.head_size * 4
 
 
-LAUNCHES = [{"num_warps": w, "num_stages": st} for w, st in ((2, 2), (2, 3), (2, 4), (4, 3))]
+LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
+            for w, st, t in ((1, 3, 64), (2, 3, 64), (2, 3, 128), (2, 4, 128), (4, 3, 128))]
 STORE_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in ((16, 4), (16, 2), (32, 4), (32, 8))]
 
 
@@ -99,8 +100,8 @@ def sweep_launch(sms: int, gen) -> tuple[dict, list]:
             rows.append({**launch, "batch": b, "context": ctx, "ms": ms})
             total += ms
         rows[-1]["total_ms"] = total
-    best = min(LAUNCHES, key=lambda lc: sum(r["ms"] for r in rows if r["num_warps"] == lc["num_warps"]
-                                              and r["num_stages"] == lc["num_stages"]))
+    best = min(LAUNCHES, key=lambda lc: sum(r["ms"] for r in rows
+                                            if all(r[key] == val for key, val in lc.items())))
     del caches
     torch.cuda.empty_cache()
     return best, rows

@@ -18,7 +18,7 @@ from vllm_kvq.kernels.oscar.format import OscarFormat
 
 # tokens per program and warps: decode-sized batches, prefill chunks
 STORE_SMALL = {"block_t": 16, "num_warps": 4}
-STORE_LARGE = {"block_t": 64, "num_warps": 4}
+STORE_LARGE = {"block_t": 16, "num_warps": 4}
 
 
 def _compiled(x: torch.Tensor) -> bool:
