@@ -125,12 +125,12 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
                 TILE: tl.constexpr):
     """One slice of whole pages of the INT2 range ``[S0, L - W)``.
 
-    A tile is one page (KB tokens): its codes and scales are contiguous and are
-    loaded one page ahead of use. Quarter j of the head dim enters the tensor
-    cores as fp16 ``c'_j = 1024 + 4^j code`` (:func:`_quarter`); with ``q'_j =
-    q_j / 4^j`` and per-row (s, m): ``q.k = s (sum_j q'_j.c'_j - 1024 sum q') +
-    m sum q``. Values: ``acc_j = sum_t (p s)_t c'_j`` and, at the end, ``o_j =
-    (acc_j - 1024 sum_t (p s)_t) / 4^j + sum_t p_t m_t``.
+    A step is TILE tokens of one page: its codes and scales are contiguous.
+    Quarter j of the head dim enters the tensor cores as fp16 ``c'_j = 1024 +
+    4^j code`` (:func:`_quarter`); with ``q'_j = q_j / 4^j`` and per-row
+    (s, m): ``q.k = s (sum_j q'_j.c'_j - 1024 sum q') + m sum q``. Values:
+    ``a_j += sum_t (p s)_t c'_j + 4^j sum_t p_t m_t - 1024 sum_t (p s)_t`` per
+    step, and ``o_j = a_j / 4^j`` at the end.
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -166,10 +166,9 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    r1a = tl.zeros([GP], tl.float32)
-    r2a = tl.zeros([GP], tl.float32)
-    r1b = tl.zeros([GP], tl.float32)
-    r2b = tl.zeros([GP], tl.float32)
+    # the key dots start from -1024 sum q' (the bias of c' = 1024 + 4^j c)
+    neg_qb_a = tl.zeros([GP, TILE], tl.float32) - qb_a[:, None]
+    neg_qb_b = tl.zeros([GP, TILE], tl.float32) - qb_b[:, None]
     a0 = tl.zeros([GP, D4], tl.float32)
     a1 = tl.zeros([GP, D4], tl.float32)
     a2 = tl.zeros([GP, D4], tl.float32)
@@ -206,18 +205,18 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             k2 = _quarter(kq, 2)
             k3 = _quarter(kq, 3)
         if NG == 1:
-            acc = tl.dot(q0, tl.trans(k0))
+            acc = tl.dot(q0, tl.trans(k0), neg_qb_a)
             acc = tl.dot(q1, tl.trans(k1), acc)
             acc = tl.dot(q2, tl.trans(k2), acc)
             acc = tl.dot(q3, tl.trans(k3), acc)
-            s = ks_a[None, :] * (acc - qb_a[:, None]) + km_a[None, :] * qs_a[:, None]
+            s = ks_a[None, :] * acc + km_a[None, :] * qs_a[:, None]
         else:
-            acc_a = tl.dot(q0, tl.trans(k0))
+            acc_a = tl.dot(q0, tl.trans(k0), neg_qb_a)
             acc_a = tl.dot(q1, tl.trans(k1), acc_a)
-            acc_b = tl.dot(q2, tl.trans(k2))
+            acc_b = tl.dot(q2, tl.trans(k2), neg_qb_b)
             acc_b = tl.dot(q3, tl.trans(k3), acc_b)
-            s = (ks_a[None, :] * (acc_a - qb_a[:, None]) + km_a[None, :] * qs_a[:, None]
-                 + ks_b[None, :] * (acc_b - qb_b[:, None]) + km_b[None, :] * qs_b[:, None])
+            s = (ks_a[None, :] * acc_a + km_a[None, :] * qs_a[:, None]
+                 + ks_b[None, :] * acc_b + km_b[None, :] * qs_b[:, None])
         s = tl.where(ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
 
@@ -225,16 +224,20 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)
         pa = (p * vs_a[None, :]).to(tl.float16)
-        r1a = r1a * alpha + tl.sum(pa.to(tl.float32), axis=1)
-        r2a = r2a * alpha + tl.sum(p * vm_a[None, :], axis=1)
+        # this step's bias (1024 sum p s) and min (sum p m) enter each quarter's
+        # accumulator before its dot, so the 1024s cancel inside one step
+        bias_a = 1024.0 * tl.sum(pa.to(tl.float32), axis=1)
+        min_a = tl.sum(p * vm_a[None, :], axis=1)
         if NG == 1:
             pb = pa
+            bias_b = bias_a
+            min_b = min_a
         else:
             vs_b = tl.where(ok, vs_b, 0.0)
             vm_b = tl.where(ok, vm_b, 0.0)
             pb = (p * vs_b[None, :]).to(tl.float16)
-            r1b = r1b * alpha + tl.sum(pb.to(tl.float32), axis=1)
-            r2b = r2b * alpha + tl.sum(p * vm_b[None, :], axis=1)
+            bias_b = 1024.0 * tl.sum(pb.to(tl.float32), axis=1)
+            min_b = tl.sum(p * vm_b[None, :], axis=1)
         if ASM:
             v0 = _quarter_asm(vc, 0)
             v1 = _quarter_asm(vc, 1)
@@ -246,22 +249,17 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             v1 = _quarter(vq, 1)
             v2 = _quarter(vq, 2)
             v3 = _quarter(vq, 3)
-        a0 = tl.dot(pa, v0, a0 * alpha[:, None])
-        a1 = tl.dot(pa, v1, a1 * alpha[:, None])
-        a2 = tl.dot(pb, v2, a2 * alpha[:, None])
-        a3 = tl.dot(pb, v3, a3 * alpha[:, None])
+        a0 = tl.dot(pa, v0, a0 * alpha[:, None] + (min_a - bias_a)[:, None])
+        a1 = tl.dot(pa, v1, a1 * alpha[:, None] + (4.0 * min_a - bias_a)[:, None])
+        a2 = tl.dot(pb, v2, a2 * alpha[:, None] + (16.0 * min_b - bias_b)[:, None])
+        a3 = tl.dot(pb, v3, a3 * alpha[:, None] + (64.0 * min_b - bias_b)[:, None])
 
-    if NG == 1:
-        r1b = r1a
-        r2b = r2a
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     op = o_base[:, None] + d4[None, :]
-    tl.store(op, ((a0 - 1024.0 * r1a[:, None]) + r2a[:, None]) * inv[:, None], mask=qmask[:, None])
-    tl.store(op + D4, ((a1 - 1024.0 * r1a[:, None]) * 0.25 + r2a[:, None]) * inv[:, None], mask=qmask[:, None])
-    tl.store(op + 2 * D4, ((a2 - 1024.0 * r1b[:, None]) * 0.0625 + r2b[:, None]) * inv[:, None],
-             mask=qmask[:, None])
-    tl.store(op + 3 * D4, ((a3 - 1024.0 * r1b[:, None]) * 0.015625 + r2b[:, None]) * inv[:, None],
-             mask=qmask[:, None])
+    tl.store(op, a0 * inv[:, None], mask=qmask[:, None])
+    tl.store(op + D4, a1 * (0.25 * inv)[:, None], mask=qmask[:, None])
+    tl.store(op + 2 * D4, a2 * (0.0625 * inv)[:, None], mask=qmask[:, None])
+    tl.store(op + 3 * D4, a3 * (0.015625 * inv)[:, None], mask=qmask[:, None])
     tl.store(lse_ptr, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=qmask)
 
 
