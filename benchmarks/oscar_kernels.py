@@ -77,7 +77,7 @@ def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> in
 
 
 LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
-            for w, st, t in ((1, 3, 64), (2, 3, 64), (2, 3, 128), (2, 4, 128), (4, 3, 128))]
+            for w, st, t in ((1, 3, 64), (2, 3, 64), (2, 4, 64), (2, 3, 128), (2, 4, 128), (4, 3, 128))]
 STORE_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in ((16, 4), (16, 2), (32, 4), (32, 8))]
 
 
