@@ -323,18 +323,25 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
 
 @triton.jit
 def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr,
-                  D: tl.constexpr, PARTS: tl.constexpr, PARTS_P: tl.constexpr):
-    """Combine the partial outputs of one (request, query head) by their LSE."""
+                  D: tl.constexpr, PARTS: tl.constexpr, PARTS_P: tl.constexpr, CHUNK: tl.constexpr):
+    """Combine the partial outputs of one (request, query head) by their LSE,
+    CHUNK parts at a time (hundreds of parts would not fit in registers)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
+    first = (b * HQ + hq).to(tl.int64) * PARTS
     i = tl.arange(0, PARTS_P)
+    lse = tl.load(lse_ptr + first + i, mask=i < PARTS, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp2(lse - top), axis=0)
     d = tl.arange(0, D)
-    part = (b * HQ + hq).to(tl.int64) * PARTS + i
-    lse = tl.load(lse_ptr + part, mask=i < PARTS, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    o = tl.load(o_ptr + part[:, None] * D + d[None, :], mask=(i < PARTS)[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+    acc = tl.zeros([D], tl.float32)
+    for c in range(0, PARTS, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        w = tl.exp2(tl.load(lse_ptr + first + j, mask=j < PARTS, other=float("-inf")) - top)
+        o = tl.load(o_ptr + (first + j)[:, None] * D + d[None, :], mask=(j < PARTS)[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], axis=0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
@@ -389,5 +396,5 @@ def decode_attention(
         TILE=min(lc.get("tile", fmt.block_size), fmt.block_size), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                           PARTS=parts, PARTS_P=triton.next_power_of_2(parts))
+                           PARTS=parts, PARTS_P=triton.next_power_of_2(parts), CHUNK=16)
     return out
