@@ -5,7 +5,7 @@ Twin of :func:`reference.mixed_attention` for a single query at position
 ``L - 1`` of a request of length ``L``: keys ``[S0, L - W)`` are read INT2,
 the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the state blocks.
 
-Grid ``(B, H, NUM_SPLITS + 1)``: programs ``0 .. NUM_SPLITS-1`` of a
+Grid ``(B, H, splits + bf16 tiles)``: programs ``0 .. splits-1`` of a
 (request, KV head) stream equal slices of its INT2 range; the last one reads
 its ``min(L, S0 + W)`` BF16 state rows. Every program serves all query heads
 of its KV head (GQA: each page byte is read once). INT2 codes are never
@@ -120,7 +120,7 @@ def _split_scales(x, KB: tl.constexpr, NG: tl.constexpr):
 @triton.jit
 def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, split,
                 H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
-                WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, num_splits,
                 GP: tl.constexpr, q_scale, ASM: tl.constexpr, NSTAGE: tl.constexpr,
                 TILE: tl.constexpr):
     """One slice of whole pages of the INT2 range ``[S0, L - W)``.
@@ -160,7 +160,7 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     hi = tl.maximum(L - WINDOW, SINK)
     first_page = lo // KB
     n_pages = tl.where(hi > lo, tl.cdiv(hi, KB) - first_page, 0)
-    per = tl.cdiv(n_pages, NUM_SPLITS)
+    per = tl.cdiv(n_pages, num_splits)
     page_lo = first_page + split * per
     page_hi = tl.minimum(page_lo + per, first_page + n_pages)
 
@@ -295,11 +295,11 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk,
 
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
-                   cache_u8, cache_f16, cache_bf16, o_ptr, lse_ptr, q_scale,
+                   cache_u8, cache_f16, cache_bf16, o_ptr, lse_ptr, q_scale, num_splits,
                    H, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr,
-                   ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, NUM_BF16: tl.constexpr,
+                   ROWS: tl.constexpr, NUM_BF16: tl.constexpr,
                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr,
                    TILE: tl.constexpr):
     b = tl.program_id(0)
@@ -311,37 +311,41 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     q_base = q_ptr + b.to(tl.int64) * stride_qb + hq * stride_qh
     row = bt_ptr + b.to(tl.int64) * bt_stride
     L = tl.load(seq_ptr + b)
-    part = (b * HQ + hq).to(tl.int64) * (NUM_SPLITS + NUM_BF16) + split
+    part = (b * HQ + hq).to(tl.int64) * (num_splits + NUM_BF16) + split
     o_base = o_ptr + part * D
-    if split < NUM_SPLITS:
+    if split < num_splits:
         _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr + part, L, split,
-                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, NUM_SPLITS, GP, q_scale, ASM, NSTAGE, TILE)
+                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, num_splits, GP, q_scale, ASM, NSTAGE, TILE)
     else:
-        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - NUM_SPLITS,
+        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits,
                    H, h, D, G, KB, SINK, WINDOW, ROWS, GP, BLOCK_N, q_scale)
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr,
-                  D: tl.constexpr, PARTS: tl.constexpr, PARTS_P: tl.constexpr, CHUNK: tl.constexpr):
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, parts, HQ: tl.constexpr,
+                  D: tl.constexpr, CHUNK: tl.constexpr):
     """Combine the partial outputs of one (request, query head) by their LSE,
     CHUNK parts at a time (hundreds of parts would not fit in registers)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    first = (b * HQ + hq).to(tl.int64) * PARTS
-    i = tl.arange(0, PARTS_P)
-    lse = tl.load(lse_ptr + first + i, mask=i < PARTS, other=float("-inf"))
-    top = tl.max(lse, axis=0)
+    first = (b * HQ + hq).to(tl.int64) * parts
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c in range(0, parts, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        top = tl.maximum(top, tl.load(lse_ptr + first + j, mask=j < parts, other=float("-inf")))
+    top = tl.max(top, axis=0)
     top = tl.where(top == float("-inf"), 0.0, top)
-    total = tl.sum(tl.exp2(lse - top), axis=0)
     d = tl.arange(0, D)
     acc = tl.zeros([D], tl.float32)
-    for c in range(0, PARTS, CHUNK):
+    total = tl.zeros([CHUNK], tl.float32)
+    for c in range(0, parts, CHUNK):
         j = c + tl.arange(0, CHUNK)
-        w = tl.exp2(tl.load(lse_ptr + first + j, mask=j < PARTS, other=float("-inf")) - top)
-        o = tl.load(o_ptr + (first + j)[:, None] * D + d[None, :], mask=(j < PARTS)[:, None], other=0.0)
+        w = tl.exp2(tl.load(lse_ptr + first + j, mask=j < parts, other=float("-inf")) - top)
+        o = tl.load(o_ptr + (first + j)[:, None] * D + d[None, :], mask=(j < parts)[:, None], other=0.0)
         acc += tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty))
+        total += w
+    out = acc / tl.sum(total, axis=0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
@@ -389,12 +393,11 @@ def decode_attention(
     _decode_kernel[(b, h, parts)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16), o_part, lse_part,
-        scale * LOG2E, h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
+        scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
-        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block, NUM_SPLITS=splits,
+        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         NUM_BF16=n_bf16, BLOCK_N=BF16_TILE, ASM=_compiled(q), NSTAGE=lc["num_stages"],
         TILE=min(lc.get("tile", fmt.block_size), fmt.block_size), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
-    _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                           PARTS=parts, PARTS_P=triton.next_power_of_2(parts), CHUNK=16)
+    _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)
     return out
