@@ -373,6 +373,7 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "oscar_kernels.json").write_text(json.dumps(res, indent=2))
     (out_dir / "kernels.md").write_text(render(res))
+    partial.unlink(missing_ok=True)
     print(render(res))
 
 
