@@ -30,7 +30,8 @@ if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
 # decode launches: the default, and on a GPU half-page steps on one and two warps
 DECODE_LAUNCHES = [None]
 if DEV == "cuda":
-    DECODE_LAUNCHES += [{"num_warps": 2, "num_stages": 3, "tile": 64}, {"num_warps": 1, "num_stages": 2, "tile": 64}]
+    DECODE_LAUNCHES += [{"num_warps": 2, "num_stages": 3, "tile": 64}, {"num_warps": 1, "num_stages": 2, "tile": 64},
+                        {"num_warps": 4, "num_stages": 3, "tile": 128}]
 
 
 def _fmt(s):
