@@ -76,7 +76,9 @@ def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> in
     return batch * hkv * (int2 + bf16) + batch * hq * fmt.head_size * 4
 
 
-LAUNCHES = [{"num_warps": w, "num_stages": st} for w, st in ((4, 1), (4, 2), (4, 3), (8, 2))]
+LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
+            for w, st, t in ((1, 3, 64), (2, 3, 64), (2, 4, 64), (2, 3, 128), (2, 4, 128), (4, 3, 128))]
+STORE_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in ((16, 4), (16, 2), (32, 4), (32, 8))]
 
 
 def sweep_launch(sms: int, gen) -> tuple[dict, list]:
@@ -98,8 +100,8 @@ def sweep_launch(sms: int, gen) -> tuple[dict, list]:
             rows.append({**launch, "batch": b, "context": ctx, "ms": ms})
             total += ms
         rows[-1]["total_ms"] = total
-    best = min(LAUNCHES, key=lambda lc: sum(r["ms"] for r in rows if r["num_warps"] == lc["num_warps"]
-                                              and r["num_stages"] == lc["num_stages"]))
+    best = min(LAUNCHES, key=lambda lc: sum(r["ms"] for r in rows
+                                            if all(r[key] == val for key, val in lc.items())))
     del caches
     torch.cuda.empty_cache()
     return best, rows
@@ -135,7 +137,8 @@ def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen,
 
 
 def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
-    """The fused store of ``tokens`` new tokens of one request (a prefill chunk)."""
+    """The fused store of ``tokens`` new tokens of one request (a prefill chunk),
+    at each launch of STORE_LAUNCHES; the best (rotated + unrotated) is reported."""
     fmt = fmt_for(d)
     cache, table = make_cache(fmt, 1, tokens, hkv, gen)
     k = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
@@ -144,14 +147,24 @@ def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
     pos = torch.arange(tokens, dtype=torch.int32, device=DEV)
     req = torch.zeros(tokens, dtype=torch.int32, device=DEV)
     end = torch.full((tokens,), tokens, dtype=torch.int32, device=DEV)
-    res = {"tokens": tokens, "hkv": hkv, "d": d}
-    for name, r in (("store_rotated", rot), ("store_unrotated", None)):
-        ms = do_bench(lambda: store_tokens(cache, fmt, k, v, r, pos, req, end, table, 0.96, 0.92), warmup=10, rep=50)
-        moved = 2 * k.numel() * 2 + tokens * hkv * fmt.bytes_per_token
-        moved += min(tokens, fmt.sink + fmt.window) * hkv * fmt.state_row_bytes
-        if r is not None:
-            moved += tokens * hkv * d * 2  # rotated keys handed back
-        res[name] = {"ms": ms, "bytes": moved, "gbps": moved / ms / 1e6}
+    res = {"tokens": tokens, "hkv": hkv, "d": d, "sweep": []}
+    best = None
+    for launch in STORE_LAUNCHES:
+        row = {"launch": launch}
+        for name, r in (("store_rotated", rot), ("store_unrotated", None)):
+            ms = do_bench(lambda: store_tokens(cache, fmt, k, v, r, pos, req, end, table, 0.96, 0.92, launch=launch),
+                          warmup=10, rep=50)
+            moved = 2 * k.numel() * 2 + tokens * hkv * fmt.bytes_per_token
+            moved += min(tokens, fmt.sink + fmt.window) * hkv * fmt.state_row_bytes
+            if r is not None:
+                moved += tokens * hkv * d * 2  # rotated keys handed back
+            row[name] = {"ms": ms, "bytes": moved, "gbps": moved / ms / 1e6}
+        res["sweep"].append(row)
+        if best is None or (row["store_rotated"]["ms"] + row["store_unrotated"]["ms"]
+                            < best["store_rotated"]["ms"] + best["store_unrotated"]["ms"]):
+            best = row
+    res["launch"] = best["launch"]
+    res["store_rotated"], res["store_unrotated"] = best["store_rotated"], best["store_unrotated"]
     copy_src = torch.empty(2 * k.numel() * 2, dtype=torch.uint8, device=DEV)
     copy_dst = torch.empty_like(copy_src)
     ms = do_bench(lambda: copy_dst.copy_(copy_src), warmup=10, rep=50)
@@ -237,7 +250,8 @@ def render(res: dict) -> str:
         "## Write path",
         "",
         f"Fused store of {s['tokens']:,} new tokens x {s['hkv']} KV heads (one prefill chunk): read K/V BF16,"
-        " write INT2 pages (+ BF16 sink/window rows).",
+        " write INT2 pages (+ BF16 sink/window rows)"
+        + (f"; launch {s['launch']}, the best of a sweep in the same run." if "launch" in s else "."),
         "",
         "| kernel | ms | GB/s (% of read bw) |",
         "|---|---|---|",
@@ -323,6 +337,7 @@ def e2e_section(results: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="one shape, B=32 only")
+    ap.add_argument("--first-shape", action="store_true", help="only the first (Hq, Hkv, D), every batch")
     ap.add_argument("--render-only", metavar="JSON")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
@@ -340,20 +355,25 @@ def main() -> None:
     res["launch"], res["launch_sweep"] = best, sweep
     print("launch", best, sweep, flush=True)
     res["decode"] = []
-    shapes = SHAPES[:1] if args.quick else SHAPES
+    shapes = SHAPES[:1] if args.quick or args.first_shape else SHAPES
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial = out_dir / "oscar_kernels.partial.json"
     for hq, hkv, d in shapes:
         for b in ([32] if args.quick else BATCHES):
             for ctx in CONTEXTS:
                 r = bench_decode(hq, hkv, d, b, ctx, sms, gen, best)
                 res["decode"].append(r)
                 print(json.dumps(r), flush=True)
+                partial.write_text(json.dumps(res, indent=2))
     res["store"] = bench_store(16384, 8, 128, gen)
     print(json.dumps(res["store"]), flush=True)
+    partial.write_text(json.dumps(res, indent=2))
     res["projection"] = project_qwen3_4b(sms, gen, best)
     print(json.dumps(res["projection"]), flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "oscar_kernels.json").write_text(json.dumps(res, indent=2))
     (out_dir / "kernels.md").write_text(render(res))
+    partial.unlink(missing_ok=True)
     print(render(res))
 
 

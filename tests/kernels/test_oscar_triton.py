@@ -27,6 +27,11 @@ REAL = dict(d=128, hkv=8, group=4, g=128, kb=128, sink=64, window=256)
 SHAPES = [SMALL, dict(SMALL, g=64)]
 if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
     SHAPES += [REAL, dict(REAL, g=64)]
+# decode launches: the default, and on a GPU half-page steps on one and two warps
+DECODE_LAUNCHES = [None]
+if DEV == "cuda":
+    DECODE_LAUNCHES += [{"num_warps": 2, "num_stages": 3, "tile": 64}, {"num_warps": 1, "num_stages": 2, "tile": 64},
+                        {"num_warps": 4, "num_stages": 3, "tile": 128}]
 
 
 def _fmt(s):
@@ -90,9 +95,35 @@ def test_store_matches_reference(shape, rotate):
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("clips", [(1.0, 0.5), (0.99, 0.0), (0.9, 0.97)])
+def test_store_clip_ties(clips):
+    """The clip threshold under heavy ties, zeros and signed zeros, no clip
+    (ratio 1), the largest entry (ratio 0) and the row maximum kept: the pages
+    equal the reference's (a sort) bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    fmt = _fmt(SMALL)
+    h, d = SMALL["hkv"], SMALL["d"]
+    n = 2 * fmt.block_size + 3
+    table, nblocks = _block_table(fmt, [n], gen)
+    # few distinct magnitudes: most order statistics are tied
+    k = (torch.randint(-3, 4, (n, h, d), generator=gen) * 0.25).to(torch.bfloat16)
+    v = (torch.randint(-2, 3, (n, h, d), generator=gen).float() * torch.rand(n, h, 1, generator=gen)).to(torch.bfloat16)
+    k[::5] = -0.0
+    got = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    store_tokens(got, fmt, k.to(DEV), v.to(DEV), None, ints(list(range(n))), ints([0] * n), ints([n] * n),
+                 table.to(DEV), *clips)
+    want = torch.zeros(got.shape, dtype=torch.uint8)
+    kf, vf = k.float(), v.float()
+    ref.write_request(ref.PageViews(want, fmt), fmt, table[0], 0, kf, vf,
+                      ref.quantize_rows(kf, fmt.group_size, clips[0]), ref.quantize_rows(vf, fmt.group_size, clips[1]))
+    assert torch.equal(got.cpu(), want)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")
 @pytest.mark.parametrize("splits", [1, 3])
-def test_decode_matches_reference(shape, splits):
+@pytest.mark.parametrize("launch", DECODE_LAUNCHES)
+def test_decode_matches_reference(shape, splits, launch):
     """Requests shorter than, equal to and far beyond sink + window."""
     gen = torch.Generator().manual_seed(1)
     fmt = _fmt(shape)
@@ -119,13 +150,19 @@ def test_decode_matches_reference(shape, splits):
         q_last.append(q[-1])
     out = torch.empty(len(lengths), hq, d, dtype=torch.float32, device=DEV)
     decode_attention(torch.stack(q_last), cache, fmt, tdev, torch.tensor(lengths, dtype=torch.int32, device=DEV),
-                     d ** -0.5, splits, out)
+                     d ** -0.5, splits, out, launch)
     want = torch.stack(want)
     err = (out - want).abs().max().item()
     print(f"max |triton - reference| {err:.2e}, mean {(out - want).abs().mean().item():.2e}")
     # q, scaled probabilities and BF16 rows pass through fp16 for the tensor cores.
     assert err < 5e-3, err
     assert (out - want).abs().mean().item() < 5e-4
+
+
+@pytest.mark.parametrize("g", [32, 64])
+def test_decode_sub_page_steps(g):
+    """Steps of half a page (two per block), as the one- and two-warp launches take them."""
+    test_decode_matches_reference(dict(SMALL, g=g, kb=32), 3, {"num_warps": 2, "num_stages": 2, "tile": 16})
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")

@@ -5,7 +5,7 @@ Twin of :func:`reference.mixed_attention` for a single query at position
 ``L - 1`` of a request of length ``L``: keys ``[S0, L - W)`` are read INT2,
 the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the state blocks.
 
-Grid ``(B, H, NUM_SPLITS + 1)``: programs ``0 .. NUM_SPLITS-1`` of a
+Grid ``(B, H, splits + bf16 tiles)``: programs ``0 .. splits-1`` of a
 (request, KV head) stream equal slices of its INT2 range; the last one reads
 its ``min(L, S0 + W)`` BF16 state rows. Every program serves all query heads
 of its KV head (GQA: each page byte is read once). INT2 codes are never
@@ -19,6 +19,7 @@ CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -27,7 +28,12 @@ import triton.language as tl
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
 LOG2E = 1.4426950408889634
-LAUNCH = {"num_warps": 4, "num_stages": 2}
+LAUNCH = {"num_warps": 1, "num_stages": 3, "tile": 64}  # the best of the H200 sweep (benchmarks/results/oscar_kernels.json)
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """Inline PTX only where Triton compiles for a GPU (not in its interpreter)."""
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
 @triton.jit
@@ -42,138 +48,260 @@ def softmax_step(s, m_i, l_i):
 
 
 @triton.jit
-def _codes_plus_1024(codes, SHIFT: tl.constexpr):
-    """fp16 ``1024 + code`` for one quarter, built from bits (``0x6400 | code``):
-    no int-to-float conversion, which would cost more than the memory read."""
-    return (((codes >> SHIFT) & 3) | 0x6400).to(tl.float16, bitcast=True)
+def _quarter(codes, J: tl.constexpr):
+    """fp16 ``1024 + 4**J * code_J`` of quarter J, straight from the bits
+    (``0x6400 | (byte & 3 << 2J)``): one AND/OR per element, no shift and no
+    int-to-float conversion. The ``4**J`` is divided out of q (keys) or of the
+    result (values), both exact powers of two."""
+    return ((codes & (3 << (2 * J))) | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _quarter_asm(codes, J: tl.constexpr):
+    """:func:`_quarter` on packed registers (compiled path only): four code
+    bytes become two fp16 pairs with two byte permutes and two AND/ORs."""
+    if J == 0:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+            "lop3.b32 $0, t0, 0x00030003, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00030003, 0x64006400, 0xea; }",
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    elif J == 1:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+            "lop3.b32 $0, t0, 0x000c000c, 0x64006400, 0xea; lop3.b32 $1, t1, 0x000c000c, 0x64006400, 0xea; }",
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    elif J == 2:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+            "lop3.b32 $0, t0, 0x00300030, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00300030, 0x64006400, 0xea; }",
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        y = tl.inline_asm_elementwise(
+            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+            "lop3.b32 $0, t0, 0x00c000c0, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00c000c0, 0x64006400, 0xea; }",
+            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
+    return y
+
+
+@triton.jit
+def _page_base(row, page, live, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+               STATE_BLOCKS: tl.constexpr):
+    """Byte offset of one page's (block, KV head) region; a dead page reads
+    block 0, so a look-ahead past the range never faults."""
+    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
+    blk = tl.load(row + STATE_BLOCKS + page, mask=live, other=0).to(tl.int64)
+    return (blk * H + h) * BLOCK_BYTES
+
+
+@triton.jit
+def _load_scales(cache_f16, base, t, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr):
+    """fp16 (scale, min) of rows ``t`` of a page, K and V, as ``[len(t), 2 NG]``."""
+    j = tl.arange(0, 2 * NG)
+    sm = cache_f16 + base // 2 + KB * (D // 4) + t[:, None] * (2 * NG) + j[None, :]
+    return tl.load(sm), tl.load(sm + KB * 2 * NG)
+
+
+@triton.jit
+def _split_scales(x, KB: tl.constexpr, NG: tl.constexpr):
+    """``[KB, 2 NG]`` (scale, min) pairs -> fp32 (s_a, m_a, s_b, m_b); b is a
+    when there is one group."""
+    s, m = tl.split(tl.reshape(x.to(tl.float32), (KB, NG, 2)))
+    if NG == 1:
+        s_a = tl.reshape(s, (KB,))
+        m_a = tl.reshape(m, (KB,))
+        s_b = s_a
+        m_b = m_a
+    else:
+        s_a, s_b = tl.split(s)
+        m_a, m_b = tl.split(m)
+    return s_a, m_a, s_b, m_b
 
 
 @triton.jit
 def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, split,
                 H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
-                WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                GP: tl.constexpr):
+                WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, num_splits,
+                GP: tl.constexpr, q_scale, ASM: tl.constexpr, NSTAGE: tl.constexpr,
+                TILE: tl.constexpr):
     """One slice of whole pages of the INT2 range ``[S0, L - W)``.
 
-    A tile is one page (KB tokens): its codes and scales are contiguous. Per
-    quarter j of the head dim, with c' = 1024 + code in fp16 and per-row (s, m):
-    ``q.k = s (q.c' - 1024 sum q) + m sum q``; the value side is the same with
-    ``p * s`` in place of q.
+    A step is TILE tokens of one page: its codes and scales are contiguous.
+    Quarter j of the head dim enters the tensor cores as fp16 ``c'_j = 1024 +
+    4^j code`` (:func:`_quarter`); with ``q'_j = q_j / 4^j`` and per-row
+    (s, m): ``q.k = s (sum_j q'_j.c'_j - 1024 sum q') + m sum q``. Values:
+    ``a_j += sum_t (p s)_t c'_j + 4^j sum_t p_t m_t - 1024 sum_t (p s)_t`` per
+    step, and ``o_j = a_j / 4^j`` at the end.
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
-    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
-    # quarters 0, 1 use group GA, quarters 2, 3 group GB (NG is 1 or 2)
-    GA: tl.constexpr = 0
-    GB: tl.constexpr = NG - 1
     d4 = tl.arange(0, D4)
-    t = tl.arange(0, KB)
-    q0 = tl.load(q_base[:, None] + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
-    q1 = tl.load(q_base[:, None] + D4 + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
-    q2 = tl.load(q_base[:, None] + 2 * D4 + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
-    q3 = tl.load(q_base[:, None] + 3 * D4 + d4[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
-    qsa = tl.sum(q0.to(tl.float32), axis=1) + tl.sum(q1.to(tl.float32), axis=1)
-    qsb = tl.sum(q2.to(tl.float32), axis=1) + tl.sum(q3.to(tl.float32), axis=1)
+    SUB: tl.constexpr = KB // TILE
+    t = tl.arange(0, TILE)
+    code_off = t[:, None] * D4 + d4[None, :]
+    qp = q_base[:, None] + d4[None, :]
+    q0 = (tl.load(qp, mask=qmask[:, None], other=0.0).to(tl.float32) * q_scale).to(tl.float16)
+    q1 = (tl.load(qp + D4, mask=qmask[:, None], other=0.0).to(tl.float32) * (q_scale * 0.25)).to(tl.float16)
+    q2 = (tl.load(qp + 2 * D4, mask=qmask[:, None], other=0.0).to(tl.float32) * (q_scale * 0.0625)).to(tl.float16)
+    q3 = (tl.load(qp + 3 * D4, mask=qmask[:, None], other=0.0).to(tl.float32) * (q_scale * 0.015625)).to(tl.float16)
+    # sum q (as the tensor cores see q) and the 1024 bias, per group
+    f0 = q0.to(tl.float32)
+    f1 = q1.to(tl.float32)
+    f2 = q2.to(tl.float32)
+    f3 = q3.to(tl.float32)
+    qs_a = tl.sum(f0, axis=1) + 4.0 * tl.sum(f1, axis=1)
+    qs_b = 16.0 * tl.sum(f2, axis=1) + 64.0 * tl.sum(f3, axis=1)
+    qb_a = 1024.0 * (tl.sum(f0, axis=1) + tl.sum(f1, axis=1))
+    qb_b = 1024.0 * (tl.sum(f2, axis=1) + tl.sum(f3, axis=1))
+    if NG == 1:
+        qs_a = qs_a + qs_b
+        qb_a = qb_a + qb_b
 
     lo = SINK
     hi = tl.maximum(L - WINDOW, SINK)
     first_page = lo // KB
     n_pages = tl.where(hi > lo, tl.cdiv(hi, KB) - first_page, 0)
-    per = tl.cdiv(n_pages, NUM_SPLITS)
+    per = tl.cdiv(n_pages, num_splits)
     page_lo = first_page + split * per
     page_hi = tl.minimum(page_lo + per, first_page + n_pages)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
+    # the key dots start from -1024 sum q' (the bias of c' = 1024 + 4^j c)
+    neg_qb_a = tl.zeros([GP, TILE], tl.float32) - qb_a[:, None]
+    neg_qb_b = tl.zeros([GP, TILE], tl.float32) - qb_b[:, None]
     a0 = tl.zeros([GP, D4], tl.float32)
     a1 = tl.zeros([GP, D4], tl.float32)
     a2 = tl.zeros([GP, D4], tl.float32)
     a3 = tl.zeros([GP, D4], tl.float32)
-    for page in range(page_lo, page_hi):
-        pos = page * KB + t
+    # codes are software-pipelined by Triton (they feed the dots); the scales
+    # feed registers, so they are fetched one page ahead by hand
+    # a step is TILE tokens of one page (SUB steps a page)
+    step_lo = page_lo * SUB
+    step_hi = page_hi * SUB
+    base_next = _page_base(row, page_lo, step_lo < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
+    ksm_next, vsm_next = _load_scales(cache_f16, base_next, t, D, NG, KB)
+    for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
+        base = base_next + (step % SUB) * (TILE * D4)
+        ksm = ksm_next
+        vsm = vsm_next
+        nxt = step + 1
+        base_next = _page_base(row, nxt // SUB, nxt < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
+        ksm_next, vsm_next = _load_scales(cache_f16, base_next, (nxt % SUB) * TILE + t, D, NG, KB)
+        kc = tl.load(cache_u8 + base + code_off)
+        vc = tl.load(cache_u8 + base + KB * D4 + code_off)
+        pos = step * TILE + t
         ok = (pos >= lo) & (pos < hi)
-        blk = tl.load(row + STATE_BLOCKS + page).to(tl.int64)
-        base = (blk * H + h) * BLOCK_BYTES
-        codes = base + t[:, None] * D4 + d4[None, :]
-        kc = tl.load(cache_u8 + codes).to(tl.int16)
-        vc = tl.load(cache_u8 + KB * D4 + codes).to(tl.int16)
-        ksm = (base + KB * (D // 2)) // 2 + t * (2 * NG)
-        vsm = ksm + KB * (2 * NG)
-        ks_a = tl.load(cache_f16 + ksm + 2 * GA).to(tl.float32)
-        km_a = tl.load(cache_f16 + ksm + 2 * GA + 1).to(tl.float32)
-        ks_b = tl.load(cache_f16 + ksm + 2 * GB).to(tl.float32)
-        km_b = tl.load(cache_f16 + ksm + 2 * GB + 1).to(tl.float32)
-        vs_a = tl.load(cache_f16 + vsm + 2 * GA).to(tl.float32)
-        vm_a = tl.load(cache_f16 + vsm + 2 * GA + 1).to(tl.float32)
-        vs_b = tl.load(cache_f16 + vsm + 2 * GB).to(tl.float32)
-        vm_b = tl.load(cache_f16 + vsm + 2 * GB + 1).to(tl.float32)
+        ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
+        vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, TILE, NG)
+        if ASM:
+            k0 = _quarter_asm(kc, 0)
+            k1 = _quarter_asm(kc, 1)
+            k2 = _quarter_asm(kc, 2)
+            k3 = _quarter_asm(kc, 3)
+        else:
+            kq = kc.to(tl.int16)
+            k0 = _quarter(kq, 0)
+            k1 = _quarter(kq, 1)
+            k2 = _quarter(kq, 2)
+            k3 = _quarter(kq, 3)
+        if NG == 1:
+            acc = tl.dot(q0, tl.trans(k0), neg_qb_a)
+            acc = tl.dot(q1, tl.trans(k1), acc)
+            acc = tl.dot(q2, tl.trans(k2), acc)
+            acc = tl.dot(q3, tl.trans(k3), acc)
+            s = ks_a[None, :] * acc + km_a[None, :] * qs_a[:, None]
+        else:
+            acc_a = tl.dot(q0, tl.trans(k0), neg_qb_a)
+            acc_a = tl.dot(q1, tl.trans(k1), acc_a)
+            acc_b = tl.dot(q2, tl.trans(k2), neg_qb_b)
+            acc_b = tl.dot(q3, tl.trans(k3), acc_b)
+            s = (ks_a[None, :] * acc_a + km_a[None, :] * qs_a[:, None]
+                 + ks_b[None, :] * acc_b + km_b[None, :] * qs_b[:, None])
+        s = tl.where(ok[None, :], s, float("-inf"))
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+
         # rows past the range may hold stale bytes: keep them out of p * s
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)
-        vs_b = tl.where(ok, vs_b, 0.0)
-        vm_b = tl.where(ok, vm_b, 0.0)
-
-        dot_a = tl.dot(q0, tl.trans(_codes_plus_1024(kc, 0))) + tl.dot(q1, tl.trans(_codes_plus_1024(kc, 2)))
-        dot_b = tl.dot(q2, tl.trans(_codes_plus_1024(kc, 4))) + tl.dot(q3, tl.trans(_codes_plus_1024(kc, 6)))
-        s = ((dot_a - 1024.0 * qsa[:, None]) * ks_a[None, :] + qsa[:, None] * km_a[None, :]
-             + (dot_b - 1024.0 * qsb[:, None]) * ks_b[None, :] + qsb[:, None] * km_b[None, :])
-        s = tl.where(ok[None, :], s, float("-inf"))
-
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-
         pa = (p * vs_a[None, :]).to(tl.float16)
-        pb = (p * vs_b[None, :]).to(tl.float16)
-        off_a = tl.sum(p * vm_a[None, :], axis=1) - 1024.0 * tl.sum(pa.to(tl.float32), axis=1)
-        off_b = tl.sum(p * vm_b[None, :], axis=1) - 1024.0 * tl.sum(pb.to(tl.float32), axis=1)
-        a0 = a0 * alpha[:, None] + tl.dot(pa, _codes_plus_1024(vc, 0)) + off_a[:, None]
-        a1 = a1 * alpha[:, None] + tl.dot(pa, _codes_plus_1024(vc, 2)) + off_a[:, None]
-        a2 = a2 * alpha[:, None] + tl.dot(pb, _codes_plus_1024(vc, 4)) + off_b[:, None]
-        a3 = a3 * alpha[:, None] + tl.dot(pb, _codes_plus_1024(vc, 6)) + off_b[:, None]
+        # this step's bias (1024 sum p s) and min (sum p m) enter each quarter's
+        # accumulator before its dot, so the 1024s cancel inside one step
+        bias_a = 1024.0 * tl.sum(pa.to(tl.float32), axis=1)
+        min_a = tl.sum(p * vm_a[None, :], axis=1)
+        if NG == 1:
+            pb = pa
+            bias_b = bias_a
+            min_b = min_a
+        else:
+            vs_b = tl.where(ok, vs_b, 0.0)
+            vm_b = tl.where(ok, vm_b, 0.0)
+            pb = (p * vs_b[None, :]).to(tl.float16)
+            bias_b = 1024.0 * tl.sum(pb.to(tl.float32), axis=1)
+            min_b = tl.sum(p * vm_b[None, :], axis=1)
+        if ASM:
+            v0 = _quarter_asm(vc, 0)
+            v1 = _quarter_asm(vc, 1)
+            v2 = _quarter_asm(vc, 2)
+            v3 = _quarter_asm(vc, 3)
+        else:
+            vq = vc.to(tl.int16)
+            v0 = _quarter(vq, 0)
+            v1 = _quarter(vq, 1)
+            v2 = _quarter(vq, 2)
+            v3 = _quarter(vq, 3)
+        a0 = tl.dot(pa, v0, a0 * alpha[:, None] + (min_a - bias_a)[:, None])
+        a1 = tl.dot(pa, v1, a1 * alpha[:, None] + (4.0 * min_a - bias_a)[:, None])
+        a2 = tl.dot(pb, v2, a2 * alpha[:, None] + (16.0 * min_b - bias_b)[:, None])
+        a3 = tl.dot(pb, v3, a3 * alpha[:, None] + (64.0 * min_b - bias_b)[:, None])
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    tl.store(o_base[:, None] + d4[None, :], a0 * inv[:, None], mask=qmask[:, None])
-    tl.store(o_base[:, None] + D4 + d4[None, :], a1 * inv[:, None], mask=qmask[:, None])
-    tl.store(o_base[:, None] + 2 * D4 + d4[None, :], a2 * inv[:, None], mask=qmask[:, None])
-    tl.store(o_base[:, None] + 3 * D4 + d4[None, :], a3 * inv[:, None], mask=qmask[:, None])
+    op = o_base[:, None] + d4[None, :]
+    tl.store(op, a0 * inv[:, None], mask=qmask[:, None])
+    tl.store(op + D4, a1 * (0.25 * inv)[:, None], mask=qmask[:, None])
+    tl.store(op + 2 * D4, a2 * (0.0625 * inv)[:, None], mask=qmask[:, None])
+    tl.store(op + 3 * D4, a3 * (0.015625 * inv)[:, None], mask=qmask[:, None])
     tl.store(lse_ptr, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=qmask)
 
 
 @triton.jit
-def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L,
+def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk,
                H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
-               WINDOW: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr):
+               WINDOW: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
+    """BLOCK_N state slots (chunk ``chunk``) of the live BF16 sink/window rows."""
     NG: tl.constexpr = D // G
     HALF_BLOCK: tl.constexpr = KB * (D // 2 + 8 * NG) // 2
     d = tl.arange(0, D)
-    q = tl.load(q_base[:, None] + d[None, :], mask=qmask[:, None], other=0.0).to(tl.float16)
+    q = (tl.load(q_base[:, None] + d[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
+         * q_scale).to(tl.float16)
     # ring slots fill in order, so the live slots are exactly 0 .. min(L, S0 + W)
     n_rows = tl.minimum(L, SINK + WINDOW)
-    m_i = tl.full([GP], float("-inf"), tl.float32)
-    l_i = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, D], tl.float32)
-    for t0 in range(0, n_rows, BLOCK_N):
-        slot = t0 + tl.arange(0, BLOCK_N)
-        ok = slot < n_rows
-        sblk = tl.load(row + slot // ROWS, mask=ok, other=0).to(tl.int64)
-        sbase = (sblk * H + h) * HALF_BLOCK + (slot % ROWS) * (2 * D)
-        k = tl.load(cache_bf16 + sbase[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v = tl.load(cache_bf16 + sbase[:, None] + D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
+    slot = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = slot < n_rows
+    sblk = tl.load(row + slot // ROWS, mask=ok, other=0).to(tl.int64)
+    sbase = (sblk * H + h) * HALF_BLOCK + (slot % ROWS) * (2 * D)
+    k = tl.load(cache_bf16 + sbase[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    v = tl.load(cache_bf16 + sbase[:, None] + D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
+    s = tl.dot(q, tl.trans(k))
+    s = tl.where(ok[None, :], s, float("-inf"))
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = tl.sum(p, axis=1)
+    acc = tl.dot(p.to(tl.float16), v)
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     tl.store(o_base[:, None] + d[None, :], acc * inv[:, None], mask=qmask[:, None])
-    tl.store(lse_ptr, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=qmask)
+    tl.store(lse_ptr, tl.where(l_i > 0, m + tl.log2(l_i), float("-inf")), mask=qmask)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
-                   cache_u8, cache_f16, cache_bf16, o_ptr, lse_ptr,
+                   cache_u8, cache_f16, cache_bf16, o_ptr, lse_ptr, q_scale, num_splits,
                    H, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr,
-                   ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+                   ROWS: tl.constexpr, NUM_BF16: tl.constexpr,
+                   BLOCK_N: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr,
+                   TILE: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -183,38 +311,53 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     q_base = q_ptr + b.to(tl.int64) * stride_qb + hq * stride_qh
     row = bt_ptr + b.to(tl.int64) * bt_stride
     L = tl.load(seq_ptr + b)
-    part = (b * HQ + hq).to(tl.int64) * (NUM_SPLITS + 1) + split
+    part = (b * HQ + hq).to(tl.int64) * (num_splits + NUM_BF16) + split
     o_base = o_ptr + part * D
-    if split < NUM_SPLITS:
+    if split < num_splits:
         _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr + part, L, split,
-                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, NUM_SPLITS, GP)
+                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, num_splits, GP, q_scale, ASM, NSTAGE, TILE)
     else:
-        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L,
-                   H, h, D, G, KB, SINK, WINDOW, ROWS, GP, BLOCK_N)
+        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits,
+                   H, h, D, G, KB, SINK, WINDOW, ROWS, GP, BLOCK_N, q_scale)
 
 
 @triton.jit
-def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr,
-                  D: tl.constexpr, PARTS: tl.constexpr, PARTS_P: tl.constexpr):
-    """Combine the partial outputs of one (request, query head) by their LSE."""
+def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, parts, HQ: tl.constexpr,
+                  D: tl.constexpr, CHUNK: tl.constexpr):
+    """Combine the partial outputs of one (request, query head) by their LSE,
+    CHUNK parts at a time (hundreds of parts would not fit in registers)."""
     b = tl.program_id(0)
     hq = tl.program_id(1)
-    i = tl.arange(0, PARTS_P)
+    first = (b * HQ + hq).to(tl.int64) * parts
+    top = tl.full([CHUNK], float("-inf"), tl.float32)
+    for c in range(0, parts, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        top = tl.maximum(top, tl.load(lse_ptr + first + j, mask=j < parts, other=float("-inf")))
+    top = tl.max(top, axis=0)
+    top = tl.where(top == float("-inf"), 0.0, top)
     d = tl.arange(0, D)
-    part = (b * HQ + hq).to(tl.int64) * PARTS + i
-    lse = tl.load(lse_ptr + part, mask=i < PARTS, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, axis=0))
-    o = tl.load(o_ptr + part[:, None] * D + d[None, :], mask=(i < PARTS)[:, None], other=0.0)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)
+    acc = tl.zeros([D], tl.float32)
+    total = tl.zeros([CHUNK], tl.float32)
+    for c in range(0, parts, CHUNK):
+        j = c + tl.arange(0, CHUNK)
+        w = tl.exp2(tl.load(lse_ptr + first + j, mask=j < parts, other=float("-inf")) - top)
+        o = tl.load(o_ptr + (first + j)[:, None] * D + d[None, :], mask=(j < parts)[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], axis=0)
+        total += w
+    out = acc / tl.sum(total, axis=0)
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
-    """INT2 splits per (request, KV head): about eight programs per SM, each
-    slice at least two pages long."""
-    want = math.ceil(8 * sm_count / max(batch * kv_heads, 1))
-    longest = max(1, max_context // (2 * block_size))
+    """INT2 splits per (request, KV head): about 32 programs per SM, so waves
+    end evenly, each slice at least four pages long (the prologue and the
+    merge stay small against the pages read)."""
+    want = math.ceil(32 * sm_count / max(batch * kv_heads, 1))
+    longest = max(1, max_context // (4 * block_size))
     return max(1, min(want, longest, 256))
+
+
+BF16_TILE = 64
 
 
 def decode_attention(
@@ -240,18 +383,21 @@ def decode_attention(
             f"got {fmt.group_size} and {fmt.block_size}")
     if b == 0:
         return out
-    parts = splits + 1
+    if q.stride(2) != 1:
+        q = q.contiguous()
+    n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), BF16_TILE)
+    parts = splits + n_bf16
+    lc = launch or LAUNCH
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hq, parts, dtype=torch.float32, device=q.device)
-    qs = (q.float() * (scale * LOG2E)).contiguous()
     _decode_kernel[(b, h, parts)](
-        qs, qs.stride(0), qs.stride(1), block_table, block_table.stride(0), seq_lens,
+        q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16), o_part, lse_part,
-        h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
+        scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
-        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block, NUM_SPLITS=splits, BLOCK_N=64,
-        **(launch or LAUNCH),
+        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
+        NUM_BF16=n_bf16, BLOCK_N=BF16_TILE, ASM=_compiled(q), NSTAGE=lc["num_stages"],
+        TILE=min(lc.get("tile", fmt.block_size), fmt.block_size), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
-    _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                           PARTS=parts, PARTS_P=triton.next_power_of_2(parts))
+    _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)
     return out

@@ -8,30 +8,59 @@ once. Each program handles ``BLOCK_T`` tokens of one KV head.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
+# tokens per program and warps: decode-sized batches, prefill chunks
+STORE_SMALL = {"block_t": 16, "num_warps": 4}
+STORE_LARGE = {"block_t": 16, "num_warps": 4}
+
+
+def _compiled(x: torch.Tensor) -> bool:
+    """True where Triton compiles for a GPU (not in its interpreter)."""
+    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
 
 @triton.jit
-def _clip(x, n_above, D: tl.constexpr):
-    """Clamp each row of ``x [T, D]`` at its ``|x|`` order statistic that has
-    ``n_above`` entries above it (``sort(|x|)[D - 1 - n_above]``; no-op if < 0).
+def _clip_pair(k, v, k_above, v_above):
+    """Clamp each row of ``k`` and ``v`` (``[T, D]`` fp32 holding bf16 values)
+    at its ``|x|`` order statistic with ``*_above`` entries above it
+    (``sort(|x|)[D - 1 - above]``; no clip where ``above < 0``).
 
-    Removes the largest entry ``n_above`` times, one position at a time, so ties
-    count as a sort would count them; a few row reductions instead of a sort.
+    Radix select on the 15 magnitude bits of a bf16: the threshold is the
+    largest pattern ``c`` with more than ``above`` entries ``>= c``, built one
+    bit at a time (ties count as a sort counts them). K and V run as the two
+    16-bit lanes of one int32: with ``0x8000`` set in each lane,
+    ``(|x| | 0x8000) - c`` keeps bit 15 of a lane iff ``|x| >= c`` and never
+    borrows across lanes, so one subtract, shift and mask compare two entries
+    and one row sum counts both.
     """
-    if n_above >= 0:
-        cols = tl.arange(0, D)
-        a = tl.abs(x)
-        for _ in range(0, n_above):
-            top = tl.argmax(a, axis=1)
-            a = tl.where(cols[None, :] == top[:, None], -1.0, a)
-        thr = tl.max(a, axis=1)
-        x = tl.minimum(tl.maximum(x, -thr[:, None]), thr[:, None])
-    return x
+    ak = (k.to(tl.int32, bitcast=True) >> 16) & 0x7FFF
+    av = (v.to(tl.int32, bitcast=True) >> 16) & 0x7FFF
+    akv = ak | (av << 16) | -2147450880  # | 0x80008000
+    pk = tl.zeros([k.shape[0]], tl.int32)
+    pv = tl.zeros([k.shape[0]], tl.int32)
+    bit = 1 << 14
+    for _ in tl.static_range(15):
+        ck = pk | bit
+        cv = pv | bit
+        hits = ((akv - (ck | (cv << 16))[:, None]) >> 15) & 0x10001
+        n = tl.sum(hits, axis=1)
+        pk = tl.where((n & 0xFFFF) > k_above, ck, pk)
+        pv = tl.where((n >> 16) > v_above, cv, pv)
+        bit = bit >> 1
+    tk = (pk << 16).to(tl.float32, bitcast=True)
+    tv = (pv << 16).to(tl.float32, bitcast=True)
+    if k_above >= 0:
+        k = tl.minimum(tl.maximum(k, -tk[:, None]), tk[:, None])
+    if v_above >= 0:
+        v = tl.minimum(tl.maximum(v, -tv[:, None]), tv[:, None])
+    return k, v
 
 
 @triton.jit
@@ -70,6 +99,7 @@ def _store_kernel(
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
     ROTATE: tl.constexpr, DATA: tl.constexpr, STATE: tl.constexpr, BLOCK_T: tl.constexpr,
+    ROT_PRECISION: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -80,12 +110,20 @@ def _store_kernel(
     tok = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tok_ok = tok < n_tokens
     cols = tl.arange(0, D)
-    k = tl.load(k_ptr + tok[:, None] * stride_kt + h * stride_kh + cols[None, :], mask=tok_ok[:, None], other=0.0)
+    k_rows = k_ptr + tok[:, None] * stride_kt + h * stride_kh
     v = tl.load(v_ptr + tok[:, None] * stride_vt + h * stride_vh + cols[None, :], mask=tok_ok[:, None], other=0.0)
-    k = k.to(tl.float32)
     if ROTATE:
-        r = tl.load(rot_ptr + h * D * D + cols[:, None] * D + cols[None, :])
-        k = tl.dot(k, r, input_precision="ieee")
+        # k @ R in slices of RC input dims: a [RC, D] slice of R at a time
+        # keeps registers low; tf32x3 on the tensor cores is fp32-accurate
+        RC: tl.constexpr = 32
+        rc = tl.arange(0, RC)
+        k = tl.zeros([BLOCK_T, D], tl.float32)
+        for c in tl.static_range(D // RC):
+            kc = tl.load(k_rows + c * RC + rc[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float32)
+            r = tl.load(rot_ptr + h * D * D + (c * RC + rc)[:, None] * D + cols[None, :])
+            k = tl.dot(kc, r, k, input_precision=ROT_PRECISION)
+    else:
+        k = tl.load(k_rows + cols[None, :], mask=tok_ok[:, None], other=0.0).to(tl.float32)
     # The cache stores what a BF16 model would: rows rounded to bf16 first.
     k_bf = k.to(tl.bfloat16)
     v_bf = v.to(tl.bfloat16)
@@ -101,9 +139,10 @@ def _store_kernel(
         blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=tok_ok, other=0).to(tl.int64)
         off = pos % KB
         base = (blk * H + h) * BLOCK_BYTES
-        _quantize_store(_clip(k_bf.to(tl.float32), k_clip_above, D), cache_u8 + base + off * D4,
+        kq, vq = _clip_pair(k_bf.to(tl.float32), v_bf.to(tl.float32), k_clip_above, v_clip_above)
+        _quantize_store(kq, cache_u8 + base + off * D4,
                         cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, tok_ok, BLOCK_T, D, G)
-        _quantize_store(_clip(v_bf.to(tl.float32), v_clip_above, D), cache_u8 + base + KB * D4 + off * D4,
+        _quantize_store(vq, cache_u8 + base + KB * D4 + off * D4,
                         cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
                         tok_ok, BLOCK_T, D, G)
 
@@ -137,6 +176,7 @@ def store_tokens(
     v_clip: float,
     data: bool = True,
     state: bool = True,
+    launch: dict | None = None,
 ) -> torch.Tensor:
     """Rotate ``k`` (``[N, H, D]``, unrotated) by ``k_rotation [H, D, D]`` and
     store ``k, v`` of every token in the paged cache.
@@ -145,7 +185,8 @@ def store_tokens(
     ``seq_end`` (that request's length after this step). Returns the rotated
     keys in bf16 ``[N, H, D]`` (``k`` itself when there is no rotation).
 
-    ``data``/``state`` select the INT2 rows and the BF16 sink/window rows. A
+    ``data``/``state`` select the INT2 rows and the BF16 sink/window rows;
+    ``launch``: ``{"block_t", "num_warps"}``, default by batch size. A
     multi-token chunk stores its INT2 rows, attends, then stores its BF16 rows:
     its early queries still need the ring rows its later tokens overwrite.
     """
@@ -158,7 +199,8 @@ def store_tokens(
     if rotate:
         k_rotation = k_rotation.to(torch.float32).contiguous()
     k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
-    block_t = 16 if n <= 256 else 64
+    lc = dict(launch or (STORE_SMALL if n <= 256 else STORE_LARGE))
+    block_t = lc.pop("block_t")
     grid = (triton.cdiv(n, block_t), h)
     _store_kernel[grid](
         k, v, k_rotation if rotate else k, k_out,
@@ -169,5 +211,6 @@ def store_tokens(
         H=h, D=d, G=fmt.group_size, KB=fmt.block_size,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         ROTATE=rotate, DATA=data, STATE=state, BLOCK_T=block_t,
+        ROT_PRECISION="tf32x3" if _compiled(k) else "ieee", **lc,
     )
     return k_out
