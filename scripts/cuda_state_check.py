@@ -2,8 +2,9 @@
 
 vLLM's CUDA build here has no MoE kernels, so the model is a dense
 Qwen3.5-style text model (house-qwen3next's shape: 3 GDN layers per full
-attention layer, 4 value heads of 128 x 128) with vLLM's random weights: tokens are meaningless, but they are deterministic, so the
-staged path can be compared with vLLM's own FP32 states token for token.
+attention layer, 4 value heads of 128 x 128) with random weights: tokens are
+meaningless, but they are deterministic, so the staged path can be compared
+with vLLM's own FP32 states token for token.
 
 1. ``check``: random prompts, greedy; FP32 states vs the FP16 pool and vs
    uniform INT6. Random weights make nearly every step a near tie,
@@ -44,10 +45,21 @@ LARGE = {**SMALL, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_la
          "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 4, "vocab_size": 32000}
 
 
-def model_dir(cfg: dict, name: str) -> str:
+def model_dir(cfg: dict, name: str, weights: bool = False) -> str:
+    """A config (vLLM's dummy weights), or with ``weights`` a checkpoint of
+    transformers' own random initialisation (std 0.02: activations, and so
+    the GDN states, matter to the output; vLLM's dummy weights are too small
+    for that)."""
     path = Path("/tmp") / name
     path.mkdir(exist_ok=True)
     (path / "config.json").write_text(json.dumps(cfg))
+    if weights and not (path / "model.safetensors").exists():
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+        model.save_pretrained(path)
     return str(path)
 
 
@@ -58,8 +70,11 @@ def engine(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = {"additional_config": {"kvq": job["kvq"]}} if job["kvq"] else {}
-    llm = LLM(model=job["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    # the bundle has no FlashInfer: vLLM's Triton GDN prefill
+    extra = {"gdn_prefill_backend": "triton"}
+    kw = {"additional_config": {**extra, "kvq": job["kvq"]} if job["kvq"] else extra}
+    fmt = "auto" if (Path(job["model"]) / "model.safetensors").exists() else "dummy"
+    llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16", attention_backend="TRITON_ATTN",
               mamba_ssm_cache_dtype="float32", enforce_eager=True, gpu_memory_utilization=job["mem"],
               max_model_len=job["max_len"], max_num_seqs=job["batch"], enable_prefix_caching=False, seed=0, **kw)
     g = __import__("torch").Generator().manual_seed(0)
@@ -111,7 +126,7 @@ def main() -> None:
     steps = sys.argv[1:] or ["check", "speed"]
     report = {}
     if "check" in steps:
-        small = model_dir(SMALL, "kvq_gdn_small")
+        small = model_dir(SMALL, "kvq_gdn_small", weights=True)
         base = dict(model=small, mem=0.2, max_len=2048, batch=16, requests=16, prompt_len=400, gen=32, logprobs=True)
         ref = run({**base, "kvq": None})
         report["check"] = {}
