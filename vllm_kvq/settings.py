@@ -13,6 +13,7 @@ from dataclasses import dataclass
 CONFIG_KEY = "kvq"
 ROTATION_MODES = ("artifact", "none", "hadamard")
 KERNELS = ("auto", "reference", "triton")
+SCHEMES = ("oscar", "kivi")
 
 
 class SettingsError(ValueError):
@@ -52,10 +53,17 @@ class OscarSettings:
     the reference everywhere (slow; for debugging). ``triton``: Triton
     everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
 
+    scheme: str = "oscar"
+    """``oscar``: rows quantized per token (keys after rotation). ``kivi``: a
+    reference point without rotation, keys per channel over 32-position groups,
+    values per token (PyTorch reference ops only)."""
+
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
             return self.rotation
+        if self.scheme == "kivi":
+            return "none"
         return "artifact" if self.artifact else "hadamard"
 
     @classmethod
@@ -77,6 +85,10 @@ class OscarSettings:
             raise SettingsError(
                 f"kvq.rotation must be one of {ROTATION_MODES}, got {self.rotation!r}"
             )
+        if self.scheme not in SCHEMES:
+            raise SettingsError(f"kvq.scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.scheme == "kivi":
+            self._validate_kivi()
         if self.kernels not in KERNELS:
             raise SettingsError(f"kvq.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.rotation_mode == "artifact" and not self.artifact:
@@ -94,6 +106,19 @@ class OscarSettings:
             value = getattr(self, name)
             if value is not None and not (0.0 < float(value) <= 1.0):
                 raise SettingsError(f"kvq.{name} must be in (0, 1], got {value!r}")
+
+
+    def _validate_kivi(self) -> None:
+        if self.rotation_mode != "none" or self.artifact:
+            raise SettingsError(
+                "kvq.scheme 'kivi' is the unrotated reference point: drop kvq.artifact and "
+                "kvq.rotation (or set rotation 'none')"
+            )
+        if self.k_clip not in (None, 1.0):
+            raise SettingsError(
+                "kvq.scheme 'kivi' quantizes keys per channel, so per-token key clipping does not "
+                "apply: drop kvq.k_clip"
+            )
 
 
 _cached: OscarSettings | None = None

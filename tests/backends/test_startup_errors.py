@@ -70,6 +70,11 @@ def test_bad_artifact_fails_at_start(good_artifact, tmp_path, case):
     ({"rotation": "artifact"}, "needs kvq.artifact"),
     ({"group_size": 48}, "group_size 48"),
     ({"k_clip": 1.5}, "kvq.k_clip must be in"),
+    ({"scheme": "kivl"}, "kvq.scheme must be one of"),
+    ({"scheme": "kivi", "rotation": "hadamard"}, "unrotated reference point"),
+    ({"scheme": "kivi", "k_clip": 0.9}, "drop kvq.k_clip"),
+    ({"scheme": "kivi", "window": 16}, "kvq.window must be >= 32"),
+    ({"scheme": "kivi", "kernels": "triton"}, "PyTorch reference ops, not the Triton kernels"),
 ])
 def test_bad_settings_fail_at_start(kvq, message):
     with pytest.raises(Exception, match=message):

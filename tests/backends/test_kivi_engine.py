@@ -1,0 +1,46 @@
+"""The KIVI-style reference point inside real vLLM (CPU build) on house-qwen3:
+one fp32 engine with a small sink and window and 64-token prefill chunks,
+against an independent PyTorch model of the same quantization."""
+
+import pytest
+
+from tests.conftest import make_llm, model_path, needles, shutdown
+
+pytestmark = pytest.mark.slow
+
+KIVI = {"scheme": "kivi", "sink": 16, "window": 40}
+
+
+@pytest.fixture(scope="module")
+def kivi_llm():
+    llm = make_llm(oscar=KIVI, dtype="float32", max_num_batched_tokens=64, max_model_len=2048)
+    yield llm
+    shutdown(llm)
+
+
+def test_kivi_path_matches_standalone_pytorch(kivi_llm, greedy):
+    from tests.backends.kivi_standalone import KiviStandalone
+
+    ref = KiviStandalone(model_path(), KIVI["sink"], KIVI["window"], 128)
+    prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
+    outs = kivi_llm.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
+    ids_all = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [ref.logprobs(ids) for ids in ids_all]
+    ref.window = 1 << 20  # nothing quantized: the size of the effect being checked
+    exact = [ref.logprobs(ids) for ids in ids_all]
+    diffs, effect, agree, total = [], [], 0, 0
+    for out, lp, lx in zip(outs, logprobs, exact):
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            tok = out.prompt_token_ids[i]
+            diffs.append(abs(entry[tok].logprob - lp[i - 1, tok].item()))
+            effect.append(abs(lx[i - 1, tok].item() - lp[i - 1, tok].item()))
+        for j, tok in enumerate(out.outputs[0].token_ids):
+            total += 1
+            agree += int(lp[len(out.prompt_token_ids) - 1 + j].argmax().item() == tok)
+    diffs.sort()
+    mean, p99 = sum(diffs) / len(diffs), diffs[int(0.99 * len(diffs))]
+    effect_mean = sum(effect) / len(effect)
+    print(f"\nvLLM KIVI vs standalone: {len(diffs)} prompt tokens, |dlogprob| mean {mean:.5f} p99 {p99:.5f}; "
+          f"greedy agreement {agree}/{total}; INT2 vs BF16 in the standalone model: mean {effect_mean:.5f}")
+    assert mean < 0.1 * effect_mean and mean < 5e-3 and p99 < 3e-2
+    assert agree == total

@@ -1,0 +1,12 @@
+"""The page format a layer uses, from the ``scheme`` setting."""
+
+from __future__ import annotations
+
+from vllm_kvq.kernels.kivi.format import KiviFormat
+from vllm_kvq.kernels.oscar.format import OscarFormat
+
+
+def page_format(head_size: int, block_size: int, s) -> OscarFormat:
+    """OSCAR's per-token pages, or KIVI's per-channel key pages (``scheme: kivi``)."""
+    cls = KiviFormat if getattr(s, "scheme", "oscar") == "kivi" else OscarFormat
+    return cls(head_size=head_size, group_size=s.group_size, block_size=block_size, sink=s.sink, window=s.window)
