@@ -54,17 +54,20 @@ class OscarSettings:
     everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
 
     scheme: str = "oscar"
-    """``oscar``: rows quantized per token (keys after rotation). ``kivi``: a
-    reference point without rotation, keys per channel over 32-position groups,
-    values per token (PyTorch reference ops only)."""
+    """``oscar``: rows quantized per token (keys after rotation). ``kivi``: keys
+    unrotated and quantized per channel over ``key_group`` positions, values per
+    token (rotated only if a rotation is asked for); PyTorch reference ops only."""
+
+    key_group: int = 32
+    """``kivi`` only: positions sharing one per-channel key (scale, min) pair."""
 
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
             return self.rotation
-        if self.scheme == "kivi":
-            return "none"
-        return "artifact" if self.artifact else "hadamard"
+        if self.artifact:
+            return "artifact"
+        return "none" if self.scheme == "kivi" else "hadamard"
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "OscarSettings":
@@ -96,6 +99,8 @@ class OscarSettings:
                 "kvq.rotation='artifact' needs kvq.artifact=<dir> "
                 "(make one with `vllm-kvq calibrate`), or use rotation 'hadamard'/'none'"
             )
+        if self.scheme != "kivi" and self.key_group != 32:
+            raise SettingsError("kvq.key_group applies to scheme 'kivi' only; drop it or set kvq.scheme 'kivi'")
         for name in ("group_size", "sink", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -109,11 +114,8 @@ class OscarSettings:
 
 
     def _validate_kivi(self) -> None:
-        if self.rotation_mode != "none" or self.artifact:
-            raise SettingsError(
-                "kvq.scheme 'kivi' is the unrotated reference point: drop kvq.artifact and "
-                "kvq.rotation (or set rotation 'none')"
-            )
+        if not isinstance(self.key_group, int) or isinstance(self.key_group, bool) or self.key_group < 1:
+            raise SettingsError(f"kvq.key_group must be a positive int, got {self.key_group!r}")
         if self.k_clip not in (None, 1.0):
             raise SettingsError(
                 "kvq.scheme 'kivi' quantizes keys per channel, so per-token key clipping does not "

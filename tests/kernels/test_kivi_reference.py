@@ -15,8 +15,11 @@ def test_format_sizes_and_limits():
     assert fmt.v_scale_offset + 128 * 4 == fmt.block_bytes
     with pytest.raises(ValueError, match="window must be >= 32"):
         KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=16)
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match="must divide the block size"):
         KiviFormat(head_size=128, group_size=128, block_size=48, sink=64, window=256)
+    # 64-position key groups: keys 2.5 bits, values 2.25 (2.375 on average)
+    assert KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=256,
+                      token_group=64).bytes_per_token == 76
 
 
 def _int2(x, lo, hi):
@@ -26,16 +29,16 @@ def _int2(x, lo, hi):
     return torch.clamp(torch.floor((x - lo) / scale + 0.5), 0, 3) * scale + lo
 
 
-def _expected(q, k, v, sink, window, group, scale):
+def _expected(q, k, v, sink, window, group, scale, tg=32):
     """Whole sequence at once: keys per channel over complete 32-position
     groups, values per token over `group` channels; key s read in BF16 for
     query t iff s < sink or t - s < window."""
     s_len, h, d = k.shape
     kb, vb = k.bfloat16().float(), v.bfloat16().float()
     k_lo = kb.clone()
-    for g0 in range(0, s_len - 31, 32):
-        seg = kb[g0 : g0 + 32]
-        k_lo[g0 : g0 + 32] = _int2(seg, seg.min(0, keepdim=True).values, seg.max(0, keepdim=True).values)
+    for g0 in range(0, s_len - tg + 1, tg):
+        seg = kb[g0 : g0 + tg]
+        k_lo[g0 : g0 + tg] = _int2(seg, seg.min(0, keepdim=True).values, seg.max(0, keepdim=True).values)
     v_lo = torch.empty_like(vb)
     for c0 in range(0, d, group):
         seg = vb[..., c0 : c0 + group]
@@ -54,11 +57,13 @@ def _expected(q, k, v, sink, window, group, scale):
     return out
 
 
-@pytest.mark.parametrize("chunks", [[300], [1] * 40 + [260], [64] * 4 + [7, 37], [33, 5, 100, 31, 1, 1, 129]])
-def test_paged_steps_match_the_whole_sequence(chunks):
+@pytest.mark.parametrize("chunks,tg", [([300], 32), ([1] * 40 + [260], 32), ([64] * 4 + [7, 37], 32),
+                                       ([33, 5, 100, 31, 1, 1, 129], 32), ([33, 5, 100, 31, 1, 1, 129], 64),
+                                       ([1] * 70 + [130], 64)])
+def test_paged_steps_match_the_whole_sequence(chunks, tg):
     torch.manual_seed(0)
     d, h, hq, length = 64, 2, 4, sum(chunks)
-    fmt = KiviFormat(head_size=d, group_size=32, block_size=64, sink=8, window=40)
+    fmt = KiviFormat(head_size=d, group_size=32, block_size=64, sink=8, window=max(40, tg + 4), token_group=tg)
     q, k, v = (torch.randn(length, n, d) for n in (hq, h, h))
     k[:, :, 5] *= 12  # an outlier channel: the case per-channel keys are for
     num_blocks = fmt.state_blocks + -(-length // fmt.block_size)
@@ -71,14 +76,14 @@ def test_paged_steps_match_the_whole_sequence(chunks):
                                          v[ctx : ctx + n], 1.0, 0.125))
         ctx += n
     got = torch.cat(got)
-    want = _expected(q, k, v, fmt.sink, fmt.window, fmt.group_size, 0.125)
+    want = _expected(q, k, v, fmt.sink, fmt.window, fmt.group_size, 0.125, tg)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     # The pages hold every complete key group per channel: dequantized, they
     # are the independent computation's INT2 keys.
     k_q, _, _, _ = kivi.read_context(pages, fmt, row, length)
-    full = (length // 32) * 32
-    kb = k.bfloat16().float()[:full].view(-1, 32, h, d)
+    full = (length // tg) * tg
+    kb = k.bfloat16().float()[:full].view(-1, tg, h, d)
     exp = _int2(kb, kb.min(1, keepdim=True).values, kb.max(1, keepdim=True).values).view(full, h, d)
     torch.testing.assert_close(k_q[:full], exp, atol=1e-6, rtol=0)
 

@@ -246,6 +246,8 @@ class OscarImpl(AttentionImpl):
         self._layer = idx
         heads = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads)
         self.k_rotation = self.artifact.rotation_for("k", idx, heads)
+        if self.settings.scheme == "kivi":  # per-channel keys: a key rotation would mix the channels
+            self.k_rotation = torch.eye(self.head_size).expand_as(self.k_rotation).contiguous()
         self.v_rotation = self.artifact.rotation_for("v", idx, heads)
         self.k_clip = self.artifact.k_clip[idx]
         self.v_clip = self.artifact.v_clip[idx]

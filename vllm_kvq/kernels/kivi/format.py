@@ -16,7 +16,8 @@ Data block region (per KV head, ``KB`` a multiple of ``T``)::
                                     ------------
                                     KB * C,  C = D/2 + D/8 + 4D/G
 
-A key group can be quantized only once its ``T`` positions are known: it is
+``T`` is the ``key_group`` setting (32 as in KIVI; 64 gives keys 2.5 bits, 128
+gives 2.25). A key group can be quantized only once its ``T`` positions are known: it is
 written when its last position is stored. Until then its positions are read
 from the BF16 window, which covers them as long as ``W >= T`` (enforced).
 
@@ -42,10 +43,10 @@ class KiviFormat(OscarFormat):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.block_size % self.token_group:
+        if self.block_size % self.token_group or (4 * self.head_size) % self.token_group:
             raise ValueError(
-                f"KIVI keys are quantized in groups of {self.token_group} positions; "
-                f"use a block size that is a multiple of {self.token_group}, not {self.block_size}"
+                f"KIVI keys are quantized in groups of {self.token_group} positions (kvq.key_group); "
+                f"it must divide the block size {self.block_size} and 4 x head size"
             )
         if self.window < self.token_group:
             raise ValueError(
