@@ -40,6 +40,8 @@ def variants(model: str) -> dict[str, dict | None]:
         "OSCAR, per-KV-head rotation, exact value target": {"artifact": f"{art}-oscar-exact"},
         "OSCAR, per-KV-head rotation, fitted clip": {"artifact": f"{art}-oscar-fitted"},
         "KIVI-style INT2 + sink/window": {"scheme": "kivi"},
+        "KIVI-style keys with int8 pairs + OSCAR values": {"scheme": "kivi", "key_pairs": "int8",
+                                                           "artifact": f"{art}-oscar"},
         "OSCAR, per-KV-head rotation, G=64": {"artifact": f"{art}-oscar", "group_size": 64},
         "OSCAR, per-KV-head rotation, G=64, fitted clip": {"artifact": f"{art}-oscar-fitted-g64", "group_size": 64},
     }

@@ -61,6 +61,10 @@ class OscarSettings:
     key_group: int = 32
     """``kivi`` only: positions sharing one per-channel key (scale, min) pair."""
 
+    key_pairs: str = "fp16"
+    """``kivi`` only: ``fp16`` (scale, min) per channel and key group, or
+    ``int8`` (min, max) in steps of one fp16 step per group and head."""
+
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
@@ -99,8 +103,10 @@ class OscarSettings:
                 "kvq.rotation='artifact' needs kvq.artifact=<dir> "
                 "(make one with `vllm-kvq calibrate`), or use rotation 'hadamard'/'none'"
             )
-        if self.scheme != "kivi" and self.key_group != 32:
-            raise SettingsError("kvq.key_group applies to scheme 'kivi' only; drop it or set kvq.scheme 'kivi'")
+        if self.scheme != "kivi" and (self.key_group != 32 or self.key_pairs != "fp16"):
+            raise SettingsError(
+                "kvq.key_group and kvq.key_pairs apply to scheme 'kivi' only; drop them or set kvq.scheme 'kivi'"
+            )
         for name in ("group_size", "sink", "window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
@@ -116,6 +122,8 @@ class OscarSettings:
     def _validate_kivi(self) -> None:
         if not isinstance(self.key_group, int) or isinstance(self.key_group, bool) or self.key_group < 1:
             raise SettingsError(f"kvq.key_group must be a positive int, got {self.key_group!r}")
+        if self.key_pairs not in ("fp16", "int8"):
+            raise SettingsError(f"kvq.key_pairs must be 'fp16' or 'int8', got {self.key_pairs!r}")
         if self.k_clip not in (None, 1.0):
             raise SettingsError(
                 "kvq.scheme 'kivi' quantizes keys per channel, so per-token key clipping does not "

@@ -20,6 +20,9 @@ def test_format_sizes_and_limits():
     # 64-position key groups: keys 2.5 bits, values 2.25 (2.375 on average)
     assert KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=256,
                       token_group=64).bytes_per_token == 76
+    # int8 key pairs: 2 x 128 + 2 B per 32-position group -> 9 B per token; 2.406 bits/element
+    int8 = KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=256, key_pairs="int8")
+    assert int8.bytes_per_token == 77 and int8.k_group_bytes == 258
 
 
 def _int2(x, lo, hi):
@@ -29,16 +32,31 @@ def _int2(x, lo, hi):
     return torch.clamp(torch.floor((x - lo) / scale + 0.5), 0, 3) * scale + lo
 
 
-def _expected(q, k, v, sink, window, group, scale, tg=32):
+def _int8_pairs(seg):
+    """Independent int8 (min, max) pairs: steps of fp16(max |k| / 120) per head."""
+    step = (seg.abs().amax(dim=(0, 2), keepdim=True) / 120).half().float()
+    lo = torch.floor(seg.min(0, keepdim=True).values / step) * step
+    hi = torch.ceil(seg.max(0, keepdim=True).values / step) * step
+    scale = (hi - lo) / 3
+    return torch.clamp(torch.floor((seg - lo) / scale + 0.5), 0, 3) * scale + lo
+
+
+def _keys(kb, tg, pairs):
+    out = kb.clone()
+    for g0 in range(0, kb.shape[0] - tg + 1, tg):
+        seg = kb[g0 : g0 + tg]
+        out[g0 : g0 + tg] = (_int8_pairs(seg) if pairs == "int8" else
+                             _int2(seg, seg.min(0, keepdim=True).values, seg.max(0, keepdim=True).values))
+    return out
+
+
+def _expected(q, k, v, sink, window, group, scale, tg=32, pairs="fp16"):
     """Whole sequence at once: keys per channel over complete 32-position
     groups, values per token over `group` channels; key s read in BF16 for
     query t iff s < sink or t - s < window."""
     s_len, h, d = k.shape
     kb, vb = k.bfloat16().float(), v.bfloat16().float()
-    k_lo = kb.clone()
-    for g0 in range(0, s_len - tg + 1, tg):
-        seg = kb[g0 : g0 + tg]
-        k_lo[g0 : g0 + tg] = _int2(seg, seg.min(0, keepdim=True).values, seg.max(0, keepdim=True).values)
+    k_lo = _keys(kb, tg, pairs)
     v_lo = torch.empty_like(vb)
     for c0 in range(0, d, group):
         seg = vb[..., c0 : c0 + group]
@@ -57,13 +75,16 @@ def _expected(q, k, v, sink, window, group, scale, tg=32):
     return out
 
 
-@pytest.mark.parametrize("chunks,tg", [([300], 32), ([1] * 40 + [260], 32), ([64] * 4 + [7, 37], 32),
-                                       ([33, 5, 100, 31, 1, 1, 129], 32), ([33, 5, 100, 31, 1, 1, 129], 64),
-                                       ([1] * 70 + [130], 64)])
-def test_paged_steps_match_the_whole_sequence(chunks, tg):
+@pytest.mark.parametrize("chunks,tg,pairs", [
+    ([300], 32, "fp16"), ([1] * 40 + [260], 32, "fp16"), ([64] * 4 + [7, 37], 32, "fp16"),
+    ([33, 5, 100, 31, 1, 1, 129], 32, "fp16"), ([33, 5, 100, 31, 1, 1, 129], 64, "fp16"),
+    ([1] * 70 + [130], 64, "fp16"), ([33, 5, 100, 31, 1, 1, 129], 32, "int8"), ([1] * 40 + [260], 32, "int8"),
+])
+def test_paged_steps_match_the_whole_sequence(chunks, tg, pairs):
     torch.manual_seed(0)
     d, h, hq, length = 64, 2, 4, sum(chunks)
-    fmt = KiviFormat(head_size=d, group_size=32, block_size=64, sink=8, window=max(40, tg + 4), token_group=tg)
+    fmt = KiviFormat(head_size=d, group_size=32, block_size=64, sink=8, window=max(40, tg + 4), token_group=tg,
+                     key_pairs=pairs)
     q, k, v = (torch.randn(length, n, d) for n in (hq, h, h))
     k[:, :, 5] *= 12  # an outlier channel: the case per-channel keys are for
     num_blocks = fmt.state_blocks + -(-length // fmt.block_size)
@@ -76,15 +97,14 @@ def test_paged_steps_match_the_whole_sequence(chunks, tg):
                                          v[ctx : ctx + n], 1.0, 0.125))
         ctx += n
     got = torch.cat(got)
-    want = _expected(q, k, v, fmt.sink, fmt.window, fmt.group_size, 0.125, tg)
+    want = _expected(q, k, v, fmt.sink, fmt.window, fmt.group_size, 0.125, tg, pairs)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     # The pages hold every complete key group per channel: dequantized, they
     # are the independent computation's INT2 keys.
     k_q, _, _, _ = kivi.read_context(pages, fmt, row, length)
     full = (length // tg) * tg
-    kb = k.bfloat16().float()[:full].view(-1, tg, h, d)
-    exp = _int2(kb, kb.min(1, keepdim=True).values, kb.max(1, keepdim=True).values).view(full, h, d)
+    exp = _keys(k.bfloat16().float()[:full], tg, pairs)
     torch.testing.assert_close(k_q[:full], exp, atol=1e-6, rtol=0)
 
 

@@ -21,6 +21,11 @@ gives 2.25). A key group can be quantized only once its ``T`` positions are know
 written when its last position is stored. Until then its positions are read
 from the BF16 window, which covers them as long as ``W >= T`` (enforced).
 
+With ``key_pairs = "int8"`` a key group stores one fp16 step (its largest
+``|k|`` / 120) then, per channel, int8 ``(floor(min/step), ceil(max/step))``:
+``2D + 2`` bytes per group, so 9 B per token at D = 128, T = 32 (77 B per token
+and head, 2.406 bits per element).
+
 Worked size (D = 128, G = 128, T = 32): C = 32 + 32 + 16 + 4 = 84 B per token
 and head (keys 3 bits, values 2.25 bits, 2.625 bits per element on average),
 against 72 B for OSCAR and 512 B for BF16.
@@ -40,6 +45,10 @@ class KiviFormat(OscarFormat):
     """Sizes and offsets of one KIVI-style layer's pages."""
 
     token_group: int = TOKEN_GROUP
+    key_pairs: str = "fp16"
+    """``fp16``: one fp16 (scale, min) per channel and key group. ``int8``: the
+    channel's (min, max) as int8 multiples of one fp16 step per key group and
+    head (``2D + 2`` bytes per group instead of ``4D``)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,6 +57,8 @@ class KiviFormat(OscarFormat):
                 f"KIVI keys are quantized in groups of {self.token_group} positions (kvq.key_group); "
                 f"it must divide the block size {self.block_size} and 4 x head size"
             )
+        if self.key_pairs not in ("fp16", "int8"):
+            raise ValueError(f"kvq.key_pairs must be 'fp16' or 'int8', got {self.key_pairs!r}")
         if self.window < self.token_group:
             raise ValueError(
                 f"KIVI reads a key group in BF16 until its {self.token_group} positions are known; "
@@ -55,9 +66,14 @@ class KiviFormat(OscarFormat):
             )
 
     @property
+    def k_group_bytes(self) -> int:
+        """Bytes of one key group's per-channel pairs (and its step, for int8)."""
+        return 4 * self.head_size if self.key_pairs == "fp16" else 2 * self.head_size + 2
+
+    @property
     def k_scale_bytes(self) -> int:
-        """Per-token share of the per-channel key (scale, min) pairs."""
-        return 4 * self.head_size // self.token_group
+        """Per-token share of the key pairs, rounded up to whole bytes."""
+        return -(-self.k_group_bytes // self.token_group)
 
     @property
     def bytes_per_token(self) -> int:

@@ -32,13 +32,45 @@ def dequantize_channels(codes: torch.Tensor, scale_min: torch.Tensor) -> torch.T
     return codes.float() * sm[..., 0] + sm[..., 1]
 
 
-def fake_quantize_keys(k: torch.Tensor, first: int, token_group: int) -> torch.Tensor:
+STEP_DIVISOR = 120  # int8 pairs: |min|, |max| <= 120 steps (fp16 rounding of the step stays in range)
+
+
+def quantize_channels_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT2 per channel over the leading axis with int8 (min, max) pairs: codes
+    ``[T, H, D]``, pairs ``[H, D, 2]`` int8 and one fp16 step per head ``[H]``."""
+    x = x.float()
+    step = (x.abs().amax(dim=(0, 2)) / STEP_DIVISOR).clamp_min(1e-6).to(torch.float16)
+    st = step.float()[:, None]
+    lo = torch.floor(x.amin(dim=0) / st).clamp_(-127, 127)
+    hi = torch.ceil(x.amax(dim=0) / st).clamp_(-127, 127)
+    pairs = torch.stack((lo, hi), dim=-1).to(torch.int8)
+    scale, lo_v = _int8_scale(pairs, step)
+    codes = torch.floor((x - lo_v) / scale + 0.5).clamp_(0, 3)
+    return codes.to(torch.uint8), pairs, step
+
+
+def _int8_scale(pairs: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    st = step.float()[..., None]
+    lo, hi = pairs[..., 0].float() * st, pairs[..., 1].float() * st
+    return ((hi - lo) / 3.0).clamp_min(1e-8), lo
+
+
+def dequantize_channels_int8(codes: torch.Tensor, pairs: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    scale, lo = _int8_scale(pairs, step)
+    return codes.float() * scale + lo
+
+
+def fake_quantize_keys(k: torch.Tensor, first: int, token_group: int, key_pairs: str = "fp16") -> torch.Tensor:
     """Keys ``[S, H, D]`` of positions ``first ..`` (``first`` a group start)
     as a reader sees them: complete groups dequantized, the open tail as is."""
     out = k.float().clone()
     full = (k.shape[0] // token_group) * token_group
     for g in range(0, full, token_group):
-        out[g : g + token_group] = dequantize_channels(*quantize_channels(k[g : g + token_group]))
+        seg = k[g : g + token_group]
+        if key_pairs == "int8":
+            out[g : g + token_group] = dequantize_channels_int8(*quantize_channels_int8(seg))
+        else:
+            out[g : g + token_group] = dequantize_channels(*quantize_channels(seg))
     return out
 
 
@@ -55,8 +87,13 @@ class KiviPages:
 
         self.k_codes = region(fmt.k_codes_offset, kb * cb).unflatten(-1, (kb, cb))
         self.v_codes = region(fmt.v_codes_offset, kb * cb).unflatten(-1, (kb, cb))
-        self.k_scale = (region(fmt.k_scale_offset, kb * fmt.k_scale_bytes).view(torch.float16)
-                        .unflatten(-1, (kb // fmt.token_group, d, 2)))
+        groups = kb // fmt.token_group
+        k_pairs = region(fmt.k_scale_offset, groups * fmt.k_group_bytes).unflatten(-1, (groups, fmt.k_group_bytes))
+        if fmt.key_pairs == "int8":
+            self.k_step = k_pairs[..., :2]  # [nb, H, groups, 2] bytes of one fp16
+            self.k_scale = k_pairs[..., 2:].view(torch.int8).unflatten(-1, (d, 2))
+        else:
+            self.k_scale = k_pairs.view(torch.float16).unflatten(-1, (d, 2))
         self.v_scale = (region(fmt.v_scale_offset, kb * fmt.scale_bytes).view(torch.float16)
                         .unflatten(-1, (kb, fmt.groups, 2)))
         rows = fmt.state_rows_per_block
@@ -77,7 +114,12 @@ def read_context(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx
     v_q = oscar.dequantize_rows(oscar.unpack_codes(pages.v_codes[blk, :, off]),
                                 pages.v_scale[blk, :, off], fmt.group_size)
     k_codes = oscar.unpack_codes(pages.k_codes[blk, :, off])  # [ctx, H, D]
-    k_q = dequantize_channels(k_codes, pages.k_scale[blk, :, off // fmt.token_group])
+    grp = off // fmt.token_group
+    if fmt.key_pairs == "int8":
+        step = pages.k_step[blk, :, grp].contiguous().view(torch.float16)[..., 0]  # [ctx, H]
+        k_q = dequantize_channels_int8(k_codes, pages.k_scale[blk, :, grp], step)
+    else:
+        k_q = dequantize_channels(k_codes, pages.k_scale[blk, :, grp])
     has_bf16 = oscar._has_bf16_row(positions, ctx, fmt)
     k_hi, v_hi = torch.zeros_like(k_q), torch.zeros_like(v_q)
     if bool(has_bf16.any()):
@@ -113,7 +155,7 @@ def attend_and_write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor,
     # the open group's cached part are in the window (W >= T).
     first = _group_start(ctx, fmt)
     tail = k_hi[first:end]
-    k_lo = torch.cat((k_q[:first], fake_quantize_keys(tail, first, fmt.token_group)))
+    k_lo = torch.cat((k_q[:first], fake_quantize_keys(tail, first, fmt.token_group, fmt.key_pairs)))
     q_pos = torch.arange(ctx, end, device=q.device)
     out = oscar.mixed_attention(q, q_pos, k_hi, v_hi, k_lo, v_lo, fmt.sink, fmt.window, scale)
     _write(pages, fmt, block_row, ctx, k_bf, v_bf, v_quant, tail, first)
@@ -130,11 +172,16 @@ def _write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int,
     pages.v_scale[blk, :, off] = vs
     tg = fmt.token_group
     for g in range(first, end - tg + 1, tg):
-        codes, sm = quantize_channels(tail[g - first : g - first + tg])
+        seg = tail[g - first : g - first + tg]
         gpos = torch.arange(g, g + tg, device=k_bf.device)
         gblk, goff = oscar._data_location(block_row, gpos, fmt)
+        if fmt.key_pairs == "int8":
+            codes, pairs, step = quantize_channels_int8(seg)
+            pages.k_step[gblk[0], :, goff[0] // tg] = step.contiguous().view(torch.uint8).view(-1, 2)
+        else:
+            codes, pairs = quantize_channels(seg)
         pages.k_codes[gblk, :, goff] = oscar.pack_codes(codes)
-        pages.k_scale[gblk[0], :, goff[0] // tg] = sm
+        pages.k_scale[gblk[0], :, goff[0] // tg] = pairs
     keep = oscar._has_bf16_row(positions, end, fmt)
     if bool(keep.any()):
         sel = keep.nonzero().squeeze(-1)
