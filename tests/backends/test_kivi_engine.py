@@ -1,29 +1,40 @@
-"""The KIVI-style reference point inside real vLLM (CPU build) on house-qwen3:
-one fp32 engine with a small sink and window and 64-token prefill chunks,
-against an independent PyTorch model of the same quantization."""
+"""The KIVI-style scheme inside real vLLM (CPU build) on house-qwen3: fp32
+engines with a small sink and window and 64-token prefill chunks, against an
+independent PyTorch model of the same quantization. Two engines, one after the
+other: the plain reference point (fp16 key pairs, nothing rotated) and int8 key
+pairs with the calibrated artifact's values (R_V folded, v_clip)."""
 
 import pytest
 
-from tests.conftest import make_llm, model_path, needles, shutdown
+from tests.conftest import REPO, make_llm, model_path, needles, shutdown
 
 pytestmark = pytest.mark.slow
 
-KIVI = {"scheme": "kivi", "sink": 16, "window": 40}
+ARTIFACT = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
+CONFIGS = {
+    "plain": {"scheme": "kivi", "sink": 16, "window": 40},
+    "int8 pairs, calibrated values": {"scheme": "kivi", "sink": 16, "window": 40, "key_pairs": "int8",
+                                      "artifact": str(ARTIFACT)},
+}
 
 
-@pytest.fixture(scope="module")
-def kivi_llm():
-    llm = make_llm(oscar=KIVI, dtype="float32", max_num_batched_tokens=64, max_model_len=2048)
-    yield llm
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def kivi(request):
+    kvq = CONFIGS[request.param]
+    llm = make_llm(oscar=kvq, dtype="float32", max_num_batched_tokens=64, max_model_len=2048)
+    yield llm, kvq
     shutdown(llm)
 
 
-def test_kivi_path_matches_standalone_pytorch(kivi_llm, greedy):
+def test_kivi_path_matches_standalone_pytorch(kivi, greedy):
     from tests.backends.kivi_standalone import KiviStandalone
+    from vllm_kvq.artifacts import OscarArtifact
 
-    ref = KiviStandalone(model_path(), KIVI["sink"], KIVI["window"], 128)
+    llm, kvq = kivi
+    art = OscarArtifact.load(kvq["artifact"]) if "artifact" in kvq else None
+    ref = KiviStandalone(model_path(), kvq["sink"], kvq["window"], 128, kvq.get("key_pairs", "fp16"), art)
     prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
-    outs = kivi_llm.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
+    outs = llm.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
     ids_all = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
     logprobs = [ref.logprobs(ids) for ids in ids_all]
     ref.window = 1 << 20  # nothing quantized: the size of the effect being checked
