@@ -203,14 +203,17 @@ def write_markdown(path: Path) -> None:
             "## Calibration time",
             "",
             "`vllm-kvq calibrate` on CPU, the whole command (process start to artifact written), "
-            "from `python benchmarks/calibration_time.py`:",
+            "from `python benchmarks/calibration_time.py`. The machine's CPUs were shared with other "
+            "jobs (load average before and after): CPU time divided by the CPUs is what an idle "
+            "machine would take at best.",
             "",
-            "| model | clip | tokens | wall time | inside the command | CPUs | load average before |",
+            "| model | clip | tokens | wall time | CPU time (user + sys) | CPUs | load average before / after |",
             "|---|---|---|---|---|---|---|",
         ]
         for r in json.loads(timing.read_text()):
             lines.append(f"| {r['model']} | {r['clip']} | {r['tokens']:,} | {r['wall_s']:.0f} s | "
-                         f"{r['inside_s']:.0f} s | {r['cpus']} | {r['load_before']} |")
+                         f"{r.get('cpu_s', float('nan')):.0f} s | {r['cpus']} | "
+                         f"{r['load_before']} / {r.get('load_after', '?')} |")
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
 

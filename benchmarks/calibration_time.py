@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -26,12 +27,16 @@ def time_calibrate(model: str, clip: str, extra: list[str]) -> dict:
         cmd = [sys.executable, "-m", "vllm_kvq.cli", "calibrate", model, "--data", str(DATA),
                "--out", f"{tmp}/a", "--clip", clip, *extra]
         load = os.getloadavg()[0]
+        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.time()
         subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wall = time.time() - t0
+        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
         prov = json.loads((Path(tmp) / "a" / "manifest.json").read_text())["provenance"]
     return {"model": Path(model).name, "clip": clip, "wall_s": round(wall, 1), "inside_s": prov["seconds"],
-            "tokens": prov["tokens"], "load_before": round(load, 2), "cpus": os.cpu_count()}
+            "tokens": prov["tokens"], "cpu_s": round(cpu, 1), "load_before": round(load, 2),
+            "load_after": round(os.getloadavg()[0], 2), "cpus": os.cpu_count()}
 
 
 def main() -> None:
