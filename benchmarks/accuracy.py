@@ -221,8 +221,10 @@ def write_markdown(path: Path) -> None:
             "",
             "`vllm-kvq calibrate` on CPU, the whole command (process start to artifact written), "
             "from `python benchmarks/calibration_time.py`. The machine's CPUs were shared with other "
-            "jobs (load average before and after): CPU time divided by the CPUs is what an idle "
-            "machine would take at best.",
+            "jobs (load average before and after), so the wall time measures the sharing as much as "
+            "the command; the CPU time is the command's own work: an idle machine takes at most that "
+            "long (one core busy), about half with both cores. Target: under 2 minutes for "
+            "house-qwen3.",
             "",
             "| model | clip | tokens | wall time | CPU time (user + sys) | CPUs | load average before / after |",
             "|---|---|---|---|---|---|---|",
