@@ -18,10 +18,12 @@ import argparse
 import gzip
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's vllm_kvq, also in vLLM's engine processes
 SHARED = REPO.parent / "shared"
 BUCKETS = [(0, 1024, "<1k"), (1024, 2048, "1-2k"), (2048, 3072, "2-3k"), (3072, 4097, "3-4k")]
 
@@ -36,7 +38,24 @@ def variants(model: str) -> dict[str, dict | None]:
         "OSCAR, shared per-layer rotation": {"artifact": f"{art}-oscar-layer"},
         "OSCAR, per-KV-head rotation": {"artifact": f"{art}-oscar"},
         "OSCAR, per-KV-head rotation, exact value target": {"artifact": f"{art}-oscar-exact"},
+        "OSCAR, per-KV-head rotation, fitted clip": {"artifact": f"{art}-oscar-fitted"},
+        "KIVI-style INT2 + sink/window": {"scheme": "kivi"},
+        "KIVI-style keys with int8 pairs + OSCAR values": {"scheme": "kivi", "key_pairs": "int8",
+                                                           "artifact": f"{art}-oscar"},
+        "OSCAR, per-KV-head rotation, G=64": {"artifact": f"{art}-oscar", "group_size": 64},
     }
+
+
+def bits_per_element(kvq: dict | None, head_size: int = 128) -> float:
+    """Bits per quantized element (codes + fp16 scales, K and V averaged);
+    the BF16 sink and window are not counted."""
+    if kvq is None:
+        return 16.0
+    from vllm_kvq.kernels.formats import page_format
+    from vllm_kvq.settings import OscarSettings
+
+    fmt = page_format(head_size, 128, OscarSettings(**{k: v for k, v in kvq.items() if k != "artifact"}))
+    return 8.0 * fmt.bytes_per_token / (2 * head_size)
 
 
 def needle_set(per_bucket: int) -> list[dict]:
@@ -116,16 +135,18 @@ def model_table(results: dict, args) -> list[str]:
         f"dtype {args.dtype}; {args.needles_per_bucket} needles per length bucket; {args.ppl_windows} perplexity "
         f"windows of 4000 tokens; prefill chunks of at most {args.chunk} tokens.",
         "",
-        "| variant | needles | <1k | 1-2k | 2-3k | 3-4k | needles / bf16 | perplexity | ppl vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| variant | bits/element | needles | <1k | 1-2k | 2-3k | 3-4k | needles / bf16 | perplexity | ppl vs bf16 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = variants(args.model)
     for name, r in results.items():
+        bits = bits_per_element(rows.get(name))
         b = r["needle_by_bucket"]
         if name == "bf16" and args.dtype != "bfloat16":
             name = f"unquantized KV ({args.dtype})"
         rel = r["needle_acc"] / base["needle_acc"] if base["needle_acc"] else float("nan")
         lines.append(
-            f"| {name} | {r['needle_acc']:.3f} | {b['<1k']:.2f} | {b['1-2k']:.2f} | {b['2-3k']:.2f} | "
+            f"| {name} | {bits:.3f} | {r['needle_acc']:.3f} | {b['<1k']:.2f} | {b['1-2k']:.2f} | {b['2-3k']:.2f} | "
             f"{b['3-4k']:.2f} | {rel:.1%} | {r['ppl']:.3f} | {r['ppl'] / base['ppl'] - 1:+.2%} |"
         )
     return lines + [""]
@@ -155,17 +176,65 @@ def write_markdown(path: Path) -> None:
         "Variants: `naive INT2` quantizes every key and value, the current token included (sink 0, "
         "window 0, no rotation, no clipping); `INT2 + sink/window` keeps the first 64 and last 256 "
         "tokens of every sequence in BF16; `Hadamard` rotates keys and values by a 128x128 "
-        "Sylvester Hadamard matrix first. All INT2 variants use groups of 128 with fp16 (scale, min). "
-        "`OSCAR` rows use the artifacts in `examples/artifacts/` made by `vllm-kvq calibrate` on "
-        "`code-dev.txt.gz` (28,672 tokens; R = U·H·P_br from the grouped query covariance for K and "
-        "the score-weighted value covariance for V, or the attention-output covariance V^T S^T S V for "
-        "the `exact value target` row; clip 0.96 / 0.92), shared per layer or per KV head.",
+        "Sylvester Hadamard matrix first. INT2 variants use groups of 128 (`G=64`: 64) with fp16 "
+        "(scale, min). `OSCAR` rows use the artifacts in `examples/artifacts/` made by `vllm-kvq "
+        "calibrate` on `code-dev.txt.gz` (28,672 tokens; R = U·H·P_br from the grouped query "
+        "covariance for K and the score-weighted value covariance for V, or the attention-output "
+        "covariance V^T S^T S V for the `exact value target` row; clip 0.96 / 0.92, or `fitted clip`: "
+        "`--clip fitted`, ratios per layer chosen on a held-out 2,048-token window by the "
+        "attention-output error), shared per layer or per KV head. `KIVI-style INT2` (`scheme: "
+        "kivi`) quantizes keys per channel over groups of 32 positions and values per token, with no "
+        "rotation and no clipping, and the same BF16 sink and window.",
         "",
-        "OSCAR reads every key older than the window as INT2 for every query, whatever the chunking, "
-        "so small and large prefill chunks give the same result here (tests check it); the small "
-        "chunks are kept so the table measures what decoding sees. Small samples: one needle prompt "
-        "is 4 points of needle accuracy.",
+        "`bits/element`: bits per quantized element, codes plus fp16 scales, keys and values "
+        "averaged (BF16 sink and window rows not counted; [design.md](design.md) gives the totals "
+        "with them).",
+        "",
+        "`KIVI-style keys with int8 pairs + OSCAR values` (`scheme: kivi`, `key_pairs: int8`, the "
+        "per-KV-head artifact): keys unrotated, per channel over 32 positions, each channel's "
+        "(min, max) stored as int8 steps of one fp16 step per group and head (2.5 bits per key "
+        "element); values rotated by the artifact's R_V, clipped at 0.92 and quantized per token in "
+        "groups of 128 (2.25 bits). 77 B per token and head, 2.406 bits per element.",
+        "",
+        "### Findings",
+        "",
+        "* **Fitted clip ratios do not help.** `--clip fitted` chooses key ratios of 0.85-0.90 per "
+        "layer (house-qwen3; the held-out attention-output error favours clipping the largest rotated "
+        "key coordinates), and both models lose perplexity and needles against the fixed 0.96 / 0.92. "
+        "The fixed ratios stay the default.",
+        "* **Per-channel key groups help house-qwen3 only.** The KIVI-style reference point "
+        "beats OSCAR's rotated per-token keys on house-qwen3 (perplexity and needles) and is no "
+        "better on house-qwen2, whose keys have the stronger outlier channels, at 2.625 bits. "
+        "Storing its per-channel pairs as int8 steps brings it to 2.406 bits for about the same "
+        "accuracy on both models.",
+        "* **Within 2.5 bits per element** the best measured configuration is, on house-qwen3, "
+        "the int8-pair per-channel keys with OSCAR values (2.406 bits), and on house-qwen2 OSCAR "
+        "with per-KV-head rotations, where groups of 64 (2.5 bits) and of 128 (2.25 bits) are "
+        "within 0.1% perplexity of each other (64: slightly lower perplexity, one needle fewer). "
+        "On house-qwen3 groups of 64 do worse than 128. The target (perplexity within 1.5% of BF16, needle accuracy at 95% or "
+        "more of BF16, on both models) is not reached.",
+        "",
     ]
+    timing = REPO / "benchmarks" / "results" / "calibration-time.json"
+    if timing.exists():
+        lines += [
+            "## Calibration time",
+            "",
+            "`vllm-kvq calibrate` on CPU, the whole command (process start to artifact written), "
+            "from `python benchmarks/calibration_time.py`. The machine's CPUs were shared with other "
+            "jobs (load average before and after), so the wall time measures the sharing as much as "
+            "the command; the CPU time is the command's own work: an idle machine takes at most that "
+            "long (one core busy), about half with both cores. Target: under 2 minutes for "
+            "house-qwen3.",
+            "",
+            "| model | clip | tokens | wall time | CPU time (user + sys) | CPUs | load average before / after |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for r in json.loads(timing.read_text()):
+            lines.append(f"| {r['model']} | {r['clip']} | {r['tokens']:,} | {r['wall_s']:.0f} s | "
+                         f"{r.get('cpu_s', float('nan')):.0f} s | {r['cpus']} | "
+                         f"{r['load_before']} / {r.get('load_after', '?')} |")
+        lines.append("")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -197,9 +266,12 @@ def main() -> None:
     # a subset of variants updates those rows and keeps the others
     results = json.loads(saved.read_text())["results"] if saved.exists() else {}
     for name in args.variants:
-        results[name] = evaluate(args.model, rows[name], needles, windows, args)
-        print(f"{name}: {json.dumps(results[name])}", flush=True)
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+        result = evaluate(args.model, rows[name], needles, windows, args)
+        print(f"{name}: {json.dumps(result)}", flush=True)
+        # re-read: another run may have saved rows of the same model meanwhile
+        results = json.loads(saved.read_text())["results"] if saved.exists() else results
+        results[name] = result
+        saved.write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
     write_markdown(Path(args.markdown))
     print(Path(args.markdown).read_text())
 

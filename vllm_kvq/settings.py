@@ -16,6 +16,7 @@ KERNELS = ("auto", "reference", "triton")
 STATE_POOLS = ("stepquant", "uniform")
 STEPQUANT_BITS = (6, 4)
 UNIFORM_BITS = (4, 6, 8, 16)
+SCHEMES = ("oscar", "kivi")
 
 
 class SettingsError(ValueError):
@@ -55,6 +56,18 @@ class OscarSettings:
     the reference everywhere (slow; for debugging). ``triton``: Triton
     everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
 
+    scheme: str = "oscar"
+    """``oscar``: rows quantized per token (keys after rotation). ``kivi``: keys
+    unrotated and quantized per channel over ``key_group`` positions, values per
+    token (rotated only if a rotation is asked for); PyTorch reference ops only."""
+
+    key_group: int = 32
+    """``kivi`` only: positions sharing one per-channel key (scale, min) pair."""
+
+    key_pairs: str = "fp16"
+    """``kivi`` only: ``fp16`` (scale, min) per channel and key group, or
+    ``int8`` (min, max) in steps of one fp16 step per group and head."""
+
     state: str | None = None
     """Gated-delta-net state pool: ``None`` keeps vLLM's own (FP32) states,
     ``stepquant`` stores them with the calibrated plan of ``state_artifact``,
@@ -72,7 +85,9 @@ class OscarSettings:
     def rotation_mode(self) -> str:
         if self.rotation is not None:
             return self.rotation
-        return "artifact" if self.artifact else "hadamard"
+        if self.artifact:
+            return "artifact"
+        return "none" if self.scheme == "kivi" else "hadamard"
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "OscarSettings":
@@ -93,12 +108,20 @@ class OscarSettings:
             raise SettingsError(
                 f"kvq.rotation must be one of {ROTATION_MODES}, got {self.rotation!r}"
             )
+        if self.scheme not in SCHEMES:
+            raise SettingsError(f"kvq.scheme must be one of {SCHEMES}, got {self.scheme!r}")
+        if self.scheme == "kivi":
+            self._validate_kivi()
         if self.kernels not in KERNELS:
             raise SettingsError(f"kvq.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.rotation_mode == "artifact" and not self.artifact:
             raise SettingsError(
                 "kvq.rotation='artifact' needs kvq.artifact=<dir> "
                 "(make one with `vllm-kvq calibrate`), or use rotation 'hadamard'/'none'"
+            )
+        if self.scheme != "kivi" and (self.key_group != 32 or self.key_pairs != "fp16"):
+            raise SettingsError(
+                "kvq.key_group and kvq.key_pairs apply to scheme 'kivi' only; drop them or set kvq.scheme 'kivi'"
             )
         for name in ("group_size", "sink", "window"):
             value = getattr(self, name)
@@ -126,6 +149,18 @@ class OscarSettings:
             raise SettingsError(
                 "kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with "
                 "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'"
+            )
+
+
+    def _validate_kivi(self) -> None:
+        if not isinstance(self.key_group, int) or isinstance(self.key_group, bool) or self.key_group < 1:
+            raise SettingsError(f"kvq.key_group must be a positive int, got {self.key_group!r}")
+        if self.key_pairs not in ("fp16", "int8"):
+            raise SettingsError(f"kvq.key_pairs must be 'fp16' or 'int8', got {self.key_pairs!r}")
+        if self.k_clip not in (None, 1.0):
+            raise SettingsError(
+                "kvq.scheme 'kivi' quantizes keys per channel, so per-token key clipping does not "
+                "apply: drop kvq.k_clip"
             )
 
 

@@ -70,6 +70,13 @@ def test_bad_artifact_fails_at_start(good_artifact, tmp_path, case):
     ({"rotation": "artifact"}, "needs kvq.artifact"),
     ({"group_size": 48}, "group_size 48"),
     ({"k_clip": 1.5}, "kvq.k_clip must be in"),
+    ({"scheme": "kivl"}, "kvq.scheme must be one of"),
+    ({"scheme": "kivi", "key_group": 48}, "kvq.key_group"),
+    ({"key_group": 64}, "apply to scheme 'kivi' only"),
+    ({"scheme": "kivi", "key_pairs": "int4"}, "kvq.key_pairs must be"),
+    ({"scheme": "kivi", "k_clip": 0.9}, "drop kvq.k_clip"),
+    ({"scheme": "kivi", "window": 16}, "kvq.window must be >= 32"),
+    ({"scheme": "kivi", "kernels": "triton"}, "PyTorch reference ops, not the Triton kernels"),
 ])
 def test_bad_settings_fail_at_start(kvq, message):
     with pytest.raises(Exception, match=message):

@@ -129,3 +129,31 @@ def test_inspect_cli():
     bad = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(art), "--model",
                           str(MODELS / "house-qwen2")], capture_output=True, text=True)
     assert bad.returncode == 1 and "different model" in bad.stderr
+
+
+def test_fitted_clip_errors_are_attention_output_errors():
+    """Each grid point's error is the relative attention-output error of the
+    INT2 cache at that clip (keys first, then values at the chosen key clip)."""
+    from vllm_kvq.calib.fit import CLIP_GRID, fit_clip
+    from vllm_kvq.kernels.oscar.reference import fake_quantize, mixed_attention
+
+    torch.manual_seed(0)
+    h, g, t, d = 2, 2, 96, 32
+    held = {"q": torch.randn(h * g, t, d), "k": torch.randn(h, t, d), "v": torch.randn(h, t, d), "scale": 0.2}
+    held["k"][..., 3] *= 8
+    rk, rv = torch.eye(d), torch.eye(d)
+    ck, cv, report = fit_clip(held, rk, rv, 16, 4, 8)
+    q = held["q"].transpose(0, 1)
+    k, v = (held[n].transpose(0, 1).bfloat16().float() for n in ("k", "v"))
+    pos = torch.arange(t)
+    exact = mixed_attention(q, pos, k, v, k, v, 4, 8, 0.2)
+
+    def err(kc, vc):
+        out = mixed_attention(q, pos, k, v, fake_quantize(k, 16, kc), fake_quantize(v, 16, vc), 4, 8, 0.2)
+        return ((out - exact).norm() / exact.norm()).item()
+
+    for c in CLIP_GRID:
+        assert report["k_error"][c] == pytest.approx(err(c, 1.0), rel=1e-5)
+        assert report["v_error"][c] == pytest.approx(err(ck, c), rel=1e-5)
+    assert report["k_error"][ck] == min(report["k_error"].values())
+    assert report["v_error"][cv] == min(report["v_error"].values())

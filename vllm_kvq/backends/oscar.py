@@ -30,6 +30,8 @@ from vllm_kvq import settings as kvq_settings
 from vllm_kvq.artifacts.fingerprint import text_config
 from vllm_kvq.backends.kv_spec import OscarAttentionSpec
 from vllm_kvq.backends.resolve import resolve_artifact
+from vllm_kvq.kernels import formats
+from vllm_kvq.kernels.kivi import reference as kivi
 from vllm_kvq.kernels.oscar import reference
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
@@ -39,9 +41,7 @@ BACKEND_NAME = "OSCAR"
 
 
 def page_format(head_size: int, block_size: int, s: kvq_settings.OscarSettings) -> OscarFormat:
-    return OscarFormat(
-        head_size=head_size, group_size=s.group_size, block_size=block_size, sink=s.sink, window=s.window
-    )
+    return formats.page_format(head_size, block_size, s)
 
 
 class OscarBackend(AttentionBackend):
@@ -246,6 +246,8 @@ class OscarImpl(AttentionImpl):
         self._layer = idx
         heads = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads)
         self.k_rotation = self.artifact.rotation_for("k", idx, heads)
+        if self.settings.scheme == "kivi":  # per-channel keys: a key rotation would mix the channels
+            self.k_rotation = torch.eye(self.head_size).expand_as(self.k_rotation).contiguous()
         self.v_rotation = self.artifact.rotation_for("v", idx, heads)
         self.k_clip = self.artifact.k_clip[idx]
         self.v_clip = self.artifact.v_clip[idx]
@@ -299,6 +301,9 @@ class OscarImpl(AttentionImpl):
         if md.tokens is not None:
             self._forward_triton(q, k, v, kv_cache, fmt, md, out)
             return self._unrotated(output, n)
+        if self.settings.scheme == "kivi":
+            self._forward_kivi(q, k, v, kv_cache, fmt, md, out)
+            return output
         pages = reference.PageViews(kv_cache, fmt)
         if not self.k_identity:
             k = self._rotate(k, self.k_rotation)
@@ -313,6 +318,18 @@ class OscarImpl(AttentionImpl):
             )
             out[start:end] = res.to(out.dtype)
         return self._unrotated(output, n)
+
+    def _forward_kivi(self, q, k, v, kv_cache, fmt, md, out) -> None:
+        """The KIVI-style reference point (no rotation; reference ops only)."""
+        pages = kivi.KiviPages(kv_cache, fmt)
+        qsl = md.query_start_loc
+        for i, seq_len in enumerate(md.seq_lens):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            res = kivi.attend_and_write(pages, fmt, md.block_table[i], seq_len - (end - start),
+                                        q[start:end], k[start:end], v[start:end], self.v_clip, self.scale)
+            out[start:end] = res.to(out.dtype)
 
     def _unrotated(self, output: torch.Tensor, n: int) -> torch.Tensor:
         """The R_V^T epilogue, for layers whose o_proj could not absorb R_V."""

@@ -27,6 +27,12 @@ def check_oscar_config(vllm_config) -> None:
             "blocks of hybrid models (about 1K tokens, sized to the GDN state); serve this model with "
             "--additional-config '{\"kvq\": {\"kernels\": \"reference\"}}'"
         )
+    if s.scheme == "kivi" and uses_triton(s, torch.device(current_platform.device_type)):
+        raise ValueError(
+            "kvq.scheme 'kivi' (per-channel key groups) is a reference point built only in the "
+            "PyTorch reference ops, not the Triton kernels; serve it with "
+            "--additional-config '{\"kvq\": {\"scheme\": \"kivi\", \"kernels\": \"reference\"}}'"
+        )
     if cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
         raise ValueError(
             f"OSCAR stores its own INT2 format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
@@ -41,9 +47,9 @@ def check_oscar_config(vllm_config) -> None:
         )
         cache_config.enable_prefix_caching = False
     logger.info(
-        "OSCAR: rotation=%s (%s), group=%d, sink=%d, window=%d, %d B/token/head, "
+        "OSCAR: scheme=%s, rotation=%s (%s), group=%d, sink=%d, window=%d, %d B/token/head, "
         "%d state blocks/request, %.3f bits/element at %d tokens",
-        s.rotation_mode, artifact.source, s.group_size, s.sink, s.window,
+        s.scheme, s.rotation_mode, artifact.source, s.group_size, s.sink, s.window,
         fmt.bytes_per_token, fmt.state_blocks, fmt.bits_per_element(model_config.max_model_len),
         model_config.max_model_len,
     )

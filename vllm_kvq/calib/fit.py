@@ -7,7 +7,7 @@ import torch
 from vllm_kvq.artifacts import OscarArtifact
 from vllm_kvq.calib.capture import LayerStats
 from vllm_kvq.calib.rotation import oscar_rotation
-from vllm_kvq.kernels.oscar.reference import fake_quantize, mixed_attention
+from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_probs
 
 CLIP_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8)
 
@@ -44,14 +44,14 @@ class HeldOut:
         self.v = perm(_rotate(held["v"], rv)).bfloat16().float()
         self.pos = torch.arange(self.q.shape[0])
         self.sink, self.window, self.scale = sink, window, held["scale"]
-        self.exact = self.attend(self.k, self.v)
+        self.exact = mix_values(*self.probs(self.k), self.v, self.v)
 
-    def attend(self, k_lo, v_lo):
-        return mixed_attention(self.q, self.pos, self.k, self.v, k_lo, v_lo, self.sink, self.window, self.scale)
+    def probs(self, k_lo):
+        return mixed_probs(self.q, self.pos, self.k, k_lo, self.sink, self.window, self.scale)
 
-    def error(self, group: int, k_clip: float, v_clip: float) -> float:
+    def error(self, probs, v_lo) -> float:
         """Relative attention-output error of the INT2 cache."""
-        approx = self.attend(fake_quantize(self.k, group, k_clip), fake_quantize(self.v, group, v_clip))
+        approx = mix_values(*probs, self.v, v_lo)
         return ((approx - self.exact).norm() / self.exact.norm()).item()
 
 
@@ -59,9 +59,11 @@ def fit_clip(held: dict, rk, rv, group: int, sink: int, window: int) -> tuple[fl
     """Per-layer clip ratios minimising the attention-output error on held-out
     tokens: keys first (values unclipped), then values at the chosen key ratio."""
     h = HeldOut(held, rk, rv, sink, window)
-    k_err = {c: h.error(group, c, 1.0) for c in CLIP_GRID}
+    v_plain = fake_quantize(h.v, group, 1.0)
+    k_err = {c: h.error(h.probs(fake_quantize(h.k, group, c)), v_plain) for c in CLIP_GRID}
     ck = min(k_err, key=k_err.get)
-    v_err = {c: h.error(group, ck, c) for c in CLIP_GRID}
+    probs = h.probs(fake_quantize(h.k, group, ck))  # the softmax does not depend on the value clip
+    v_err = {c: h.error(probs, fake_quantize(h.v, group, c)) for c in CLIP_GRID}
     cv = min(v_err, key=v_err.get)
     return ck, cv, {"k_error": k_err, "v_error": v_err}
 

@@ -210,6 +210,44 @@ def read_context(
     return k_q, v_q, k_hi, v_hi, has_bf16
 
 
+def mixed_probs(
+    q: torch.Tensor,
+    q_positions: torch.Tensor,
+    k_hi: torch.Tensor,
+    k_lo: torch.Tensor,
+    sink: int,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax weights of :func:`mixed_attention`, split by the precision each
+    (query, key) reads: ``(p_hi, p_lo)``, each ``[H, g, T, S]``."""
+    t, hq, d = q.shape
+    s, h, _ = k_hi.shape
+    group = hq // h
+    qg = q.float().view(t, h, group, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    kh, kl = k_hi.permute(1, 0, 2), k_lo.permute(1, 0, 2)  # [H, S, D]
+    s_hi = torch.matmul(qg, kh.unsqueeze(1).transpose(-1, -2))  # [H, g, T, S]
+    s_lo = torch.matmul(qg, kl.unsqueeze(1).transpose(-1, -2))
+
+    key_pos = torch.arange(s, device=q.device)
+    dist = q_positions.view(-1, 1) - key_pos.view(1, -1)  # [T, S]
+    use_hi = (key_pos.view(1, -1) < sink) | (dist < window)
+    causal = dist >= 0
+    logits = torch.where(use_hi, s_hi, s_lo) * scale
+    logits = logits.masked_fill(~causal, float("-inf"))
+    p = torch.softmax(logits, dim=-1)
+    p_hi = p * use_hi
+    return p_hi, p - p_hi
+
+
+def mix_values(p_hi: torch.Tensor, p_lo: torch.Tensor, v_hi: torch.Tensor, v_lo: torch.Tensor) -> torch.Tensor:
+    """``p_hi·V_bf16 + p_lo·V_int2`` as ``[T, Hq, D]`` fp32."""
+    h, group, t, _ = p_hi.shape
+    vh, vl = v_hi.permute(1, 0, 2), v_lo.permute(1, 0, 2)
+    out = torch.matmul(p_hi, vh.unsqueeze(1)) + torch.matmul(p_lo, vl.unsqueeze(1))
+    return out.permute(2, 0, 1, 3).reshape(t, h * group, -1)
+
+
 def mixed_attention(
     q: torch.Tensor,
     q_positions: torch.Tensor,
@@ -229,25 +267,8 @@ def mixed_attention(
     This is what every query sees in decode, so a chunked prefill gives the
     same result as an unchunked one.
     """
-    t, hq, d = q.shape
-    s, h, _ = k_hi.shape
-    group = hq // h
-    qg = q.float().view(t, h, group, d).permute(1, 2, 0, 3)  # [H, g, T, D]
-    kh, kl = k_hi.permute(1, 0, 2), k_lo.permute(1, 0, 2)  # [H, S, D]
-    vh, vl = v_hi.permute(1, 0, 2), v_lo.permute(1, 0, 2)
-    s_hi = torch.matmul(qg, kh.unsqueeze(1).transpose(-1, -2))  # [H, g, T, S]
-    s_lo = torch.matmul(qg, kl.unsqueeze(1).transpose(-1, -2))
-
-    key_pos = torch.arange(s, device=q.device)
-    dist = q_positions.view(-1, 1) - key_pos.view(1, -1)  # [T, S]
-    use_hi = (key_pos.view(1, -1) < sink) | (dist < window)
-    causal = dist >= 0
-    logits = torch.where(use_hi, s_hi, s_lo) * scale
-    logits = logits.masked_fill(~causal, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
-    p_hi = p * use_hi
-    out = torch.matmul(p_hi, vh.unsqueeze(1)) + torch.matmul(p - p_hi, vl.unsqueeze(1))
-    return out.permute(2, 0, 1, 3).reshape(t, hq, d)
+    p_hi, p_lo = mixed_probs(q, q_positions, k_hi, k_lo, sink, window, scale)
+    return mix_values(p_hi, p_lo, v_hi, v_lo)
 
 
 def attend_and_write(

@@ -1,0 +1,1 @@
+"""KIVI-style INT2 cache (per-channel keys, per-token values): a reference point."""

@@ -1,0 +1,190 @@
+"""PyTorch ops of the KIVI-style cache (CPU only; no Triton twin).
+
+Keys: per-channel min-max INT2 over groups of ``T`` positions, written when a
+group's last position is stored. Values: per-token INT2 as in OSCAR. The read
+rule is OSCAR's (BF16 iff ``s < sink`` or ``t - s < window``); with
+``window >= T`` a key whose group is still open is always read in BF16, so the
+result does not depend on how a prompt is chunked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kvq.kernels.kivi.format import KiviFormat
+from vllm_kvq.kernels.oscar import reference as oscar
+
+
+def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """INT2 per channel over the leading axis: x ``[T, ...]`` → codes
+    ``[T, ...]`` uint8 and fp16 (scale, min) ``[..., 2]``. Codes use the
+    fp16-rounded pair, as the reader will."""
+    x = x.float()
+    lo, hi = x.amin(dim=0), x.amax(dim=0)
+    scale = ((hi - lo) / 3.0).clamp_min(1e-8).to(torch.float16)
+    lo16 = lo.to(torch.float16)
+    codes = torch.floor((x - lo16.float()) / scale.float() + 0.5).clamp_(0, 3)
+    return codes.to(torch.uint8), torch.stack((scale, lo16), dim=-1)
+
+
+def dequantize_channels(codes: torch.Tensor, scale_min: torch.Tensor) -> torch.Tensor:
+    sm = scale_min.float()
+    return codes.float() * sm[..., 0] + sm[..., 1]
+
+
+STEP_DIVISOR = 120  # int8 pairs: |min|, |max| <= 120 steps (fp16 rounding of the step stays in range)
+
+
+def quantize_channels_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """INT2 per channel over the leading axis with int8 (min, max) pairs: codes
+    ``[T, H, D]``, pairs ``[H, D, 2]`` int8 and one fp16 step per head ``[H]``."""
+    x = x.float()
+    step = (x.abs().amax(dim=(0, 2)) / STEP_DIVISOR).clamp_min(1e-6).to(torch.float16)
+    st = step.float()[:, None]
+    lo = torch.floor(x.amin(dim=0) / st).clamp_(-127, 127)
+    hi = torch.ceil(x.amax(dim=0) / st).clamp_(-127, 127)
+    pairs = torch.stack((lo, hi), dim=-1).to(torch.int8)
+    scale, lo_v = _int8_scale(pairs, step)
+    codes = torch.floor((x - lo_v) / scale + 0.5).clamp_(0, 3)
+    return codes.to(torch.uint8), pairs, step
+
+
+def _int8_scale(pairs: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    st = step.float()[..., None]
+    lo, hi = pairs[..., 0].float() * st, pairs[..., 1].float() * st
+    return ((hi - lo) / 3.0).clamp_min(1e-8), lo
+
+
+def dequantize_channels_int8(codes: torch.Tensor, pairs: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    scale, lo = _int8_scale(pairs, step)
+    return codes.float() * scale + lo
+
+
+def fake_quantize_keys(k: torch.Tensor, first: int, token_group: int, key_pairs: str = "fp16") -> torch.Tensor:
+    """Keys ``[S, H, D]`` of positions ``first ..`` (``first`` a group start)
+    as a reader sees them: complete groups dequantized, the open tail as is."""
+    out = k.float().clone()
+    full = (k.shape[0] // token_group) * token_group
+    for g in range(0, full, token_group):
+        seg = k[g : g + token_group]
+        if key_pairs == "int8":
+            out[g : g + token_group] = dequantize_channels_int8(*quantize_channels_int8(seg))
+        else:
+            out[g : g + token_group] = dequantize_channels(*quantize_channels(seg))
+    return out
+
+
+class KiviPages:
+    """Typed views into one layer's uint8 cache ``[num_blocks, H, KB, C]``."""
+
+    def __init__(self, kv_cache: torch.Tensor, fmt: KiviFormat):
+        nb, h = kv_cache.shape[0], kv_cache.shape[1]
+        flat = kv_cache.view(nb, h, fmt.block_bytes)
+        kb, cb, d = fmt.block_size, fmt.code_bytes, fmt.head_size
+
+        def region(offset: int, size: int) -> torch.Tensor:
+            return flat[:, :, offset : offset + size]
+
+        self.k_codes = region(fmt.k_codes_offset, kb * cb).unflatten(-1, (kb, cb))
+        self.v_codes = region(fmt.v_codes_offset, kb * cb).unflatten(-1, (kb, cb))
+        groups = kb // fmt.token_group
+        k_pairs = region(fmt.k_scale_offset, groups * fmt.k_group_bytes).unflatten(-1, (groups, fmt.k_group_bytes))
+        if fmt.key_pairs == "int8":
+            self.k_step = k_pairs[..., :2]  # [nb, H, groups, 2] bytes of one fp16
+            self.k_scale = k_pairs[..., 2:].view(torch.int8).unflatten(-1, (d, 2))
+        else:
+            self.k_scale = k_pairs.view(torch.float16).unflatten(-1, (d, 2))
+        self.v_scale = (region(fmt.v_scale_offset, kb * fmt.scale_bytes).view(torch.float16)
+                        .unflatten(-1, (kb, fmt.groups, 2)))
+        rows = fmt.state_rows_per_block
+        self.state = flat[:, :, : rows * fmt.state_row_bytes].view(torch.bfloat16).unflatten(
+            -1, (rows, 2, d))
+
+
+def _group_start(pos: int, fmt: KiviFormat) -> int:
+    return pos - pos % fmt.token_group
+
+
+def read_context(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int):
+    """Rows a query may read about positions ``0 .. ctx``: (k_int2, v_int2,
+    k_bf16, v_bf16). Keys of the open group (from ``ctx`` rounded down to a
+    group start) have no INT2 form yet: they are the BF16 rows there."""
+    positions = torch.arange(ctx, device=block_row.device)
+    blk, off = oscar._data_location(block_row, positions, fmt)
+    v_q = oscar.dequantize_rows(oscar.unpack_codes(pages.v_codes[blk, :, off]),
+                                pages.v_scale[blk, :, off], fmt.group_size)
+    k_codes = oscar.unpack_codes(pages.k_codes[blk, :, off])  # [ctx, H, D]
+    grp = off // fmt.token_group
+    if fmt.key_pairs == "int8":
+        step = pages.k_step[blk, :, grp].contiguous().view(torch.float16)[..., 0]  # [ctx, H]
+        k_q = dequantize_channels_int8(k_codes, pages.k_scale[blk, :, grp], step)
+    else:
+        k_q = dequantize_channels(k_codes, pages.k_scale[blk, :, grp])
+    has_bf16 = oscar._has_bf16_row(positions, ctx, fmt)
+    k_hi, v_hi = torch.zeros_like(k_q), torch.zeros_like(v_q)
+    if bool(has_bf16.any()):
+        sel = has_bf16.nonzero().squeeze(-1)
+        sblk, srow = oscar._state_location(block_row, positions[sel], fmt)
+        k_hi[sel] = pages.state[sblk, :, srow, 0].float()
+        v_hi[sel] = pages.state[sblk, :, srow, 1].float()
+    open_start = _group_start(ctx, fmt)
+    k_q[open_start:] = k_hi[open_start:]
+    return k_q, v_q, k_hi, v_hi
+
+
+def attend_and_write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int,
+                     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, v_clip: float,
+                     scale: float) -> torch.Tensor:
+    """One request's step over positions ``ctx .. ctx+T``: attend over the
+    cached context plus the chunk, then store the chunk (value codes, BF16
+    rows, and the key groups the chunk completes). Returns ``[T, Hq, D]`` fp32."""
+    t = q.shape[0]
+    end = ctx + t
+    k_bf = k.to(torch.bfloat16).float()
+    v_bf = v.to(torch.bfloat16).float()
+    v_quant = oscar.quantize_rows(v_bf, fmt.group_size, v_clip)
+    v_lo_new = oscar.dequantize_rows(*v_quant, fmt.group_size)
+    if ctx > 0:
+        k_q, v_q, k_hi, v_hi = read_context(pages, fmt, block_row, ctx)
+        k_hi, v_hi = torch.cat((k_hi, k_bf)), torch.cat((v_hi, v_bf))
+        v_lo = torch.cat((v_q, v_lo_new))
+    else:
+        k_q = k_bf[:0]
+        k_hi, v_hi, v_lo = k_bf, v_bf, v_lo_new
+    # Key groups from the open one at ctx up to the chunk's end: BF16 rows of
+    # the open group's cached part are in the window (W >= T).
+    first = _group_start(ctx, fmt)
+    tail = k_hi[first:end]
+    k_lo = torch.cat((k_q[:first], fake_quantize_keys(tail, first, fmt.token_group, fmt.key_pairs)))
+    q_pos = torch.arange(ctx, end, device=q.device)
+    out = oscar.mixed_attention(q, q_pos, k_hi, v_hi, k_lo, v_lo, fmt.sink, fmt.window, scale)
+    _write(pages, fmt, block_row, ctx, k_bf, v_bf, v_quant, tail, first)
+    return out
+
+
+def _write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int, k_bf, v_bf, v_quant,
+           tail: torch.Tensor, first: int) -> None:
+    end = ctx + k_bf.shape[0]
+    positions = torch.arange(ctx, end, device=k_bf.device)
+    blk, off = oscar._data_location(block_row, positions, fmt)
+    vc, vs = v_quant
+    pages.v_codes[blk, :, off] = oscar.pack_codes(vc)
+    pages.v_scale[blk, :, off] = vs
+    tg = fmt.token_group
+    for g in range(first, end - tg + 1, tg):
+        seg = tail[g - first : g - first + tg]
+        gpos = torch.arange(g, g + tg, device=k_bf.device)
+        gblk, goff = oscar._data_location(block_row, gpos, fmt)
+        if fmt.key_pairs == "int8":
+            codes, pairs, step = quantize_channels_int8(seg)
+            pages.k_step[gblk[0], :, goff[0] // tg] = step.contiguous().view(torch.uint8).view(-1, 2)
+        else:
+            codes, pairs = quantize_channels(seg)
+        pages.k_codes[gblk, :, goff] = oscar.pack_codes(codes)
+        pages.k_scale[gblk[0], :, goff[0] // tg] = pairs
+    keep = oscar._has_bf16_row(positions, end, fmt)
+    if bool(keep.any()):
+        sel = keep.nonzero().squeeze(-1)
+        sblk, srow = oscar._state_location(block_row, positions[sel], fmt)
+        pages.state[sblk, :, srow, 0] = k_bf[sel].to(torch.bfloat16)
+        pages.state[sblk, :, srow, 1] = v_bf[sel].to(torch.bfloat16)
