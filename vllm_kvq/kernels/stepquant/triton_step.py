@@ -43,65 +43,90 @@ def _fp16_round(x):
 
 @triton.jit
 def _levels(t, BITS: tl.constexpr):
-    """Nearest signed level of ``t`` (see ``reference.quantize_levels``)."""
+    """Nearest signed level of ``t`` (``reference.quantize_levels``) as a float,
+    and its unsigned code as int32.
+
+    No float<->int conversions (a quarter-rate pipe): adding 1.5 * 2**23 to the
+    clamped value rounds it half to even, like torch.round, and leaves the
+    integer in the low mantissa bits.
+    """
     if BITS == 2:
-        z = tl.where(t < 0, -1.0, 1.0) * tl.where(tl.abs(t) >= 2.0, 3.0, 1.0)
+        pos = t >= 0
+        big = tl.abs(t) >= 2.0
+        z = tl.where(pos, 1.0, -1.0) * tl.where(big, 3.0, 1.0)
+        u = tl.where(pos, tl.where(big, 3, 2), tl.where(big, 0, 1))
     else:
         QM: tl.constexpr = (1 << (BITS - 1)) - 1
-        t = tl.minimum(tl.maximum(t, -QM - 1.0), QM + 1.0)
-        z = (t + 12582912.0) - 12582912.0  # + 1.5 * 2**23: round half to even, like torch.round
-        z = tl.minimum(tl.maximum(z, -QM * 1.0), QM * 1.0)
+        f = tl.minimum(tl.maximum(t, -QM * 1.0), QM * 1.0) + 12582912.0
+        z = f - 12582912.0
+        u = f.to(tl.int32, bitcast=True) - (0x4B400000 - QM)
+    return z, u
+
+
+@triton.jit
+def _signed(u, BITS: tl.constexpr):
+    """Signed level (float) of unsigned codes ``u`` (int32), without an int->float conversion."""
+    f = (u | 0x4B000000).to(tl.float32, bitcast=True)  # 2**23 + u
+    if BITS == 2:
+        z = (f - 8388608.0) * 2.0 - 3.0
+    else:
+        z = f - (8388608.0 + ((1 << (BITS - 1)) - 1))
     return z
 
 
 @triton.jit
-def _unpack(base, BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Unsigned codes ``[K, V]`` (int32) of the packed head at ``base`` (uint8 pointer)."""
-    rows = tl.arange(0, K)[:, None]
+def _unpack(base, a3, i3, b3, BITS: tl.constexpr, V: tl.constexpr):
+    """Unsigned codes (int32) ``[4, K, V/4]`` of the packed head at ``base``
+    (uint8 pointer): element (a, i, b) is column ``4 b + a`` of key row i, so
+    each thread holds 4 consecutive codes of a row (one 6-bit group, one
+    2-bit byte, two 4-bit bytes) and unpacks them from its own bytes."""
     if BITS == 8:
-        u = tl.load(base + rows * V + tl.arange(0, V)[None, :]).to(tl.int32)
-    elif BITS == 6:
-        VW: tl.constexpr = V // 4
-        p = base + rows * (3 * VW) + 3 * tl.arange(0, VW)[None, :]
-        word = (tl.load(p).to(tl.int32) | (tl.load(p + 1).to(tl.int32) << 8)
-                | (tl.load(p + 2).to(tl.int32) << 16))
-        sh = (tl.arange(0, 4) * 6)[None, None, :]
-        u = tl.reshape((word[:, :, None] >> sh) & 63, (K, V))
-    else:
-        PER: tl.constexpr = 8 // BITS
-        VB: tl.constexpr = V // PER
-        byte = tl.load(base + rows * VB + tl.arange(0, VB)[None, :]).to(tl.int32)
-        sh = (tl.arange(0, PER) * BITS)[None, None, :]
-        u = tl.reshape((byte[:, :, None] >> sh) & ((1 << BITS) - 1), (K, V))
+        u = tl.load(base + i3 * V + 4 * b3 + a3).to(tl.int32)
+    elif BITS == 6:  # 4 codes in the 24-bit word at byte 3 b of the row
+        at = base + i3 * (3 * V // 4) + 3 * b3
+        word = (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
+                | (tl.load(at + 2).to(tl.int32) << 16))
+        u = (word >> (6 * a3)) & 63
+    elif BITS == 4:  # byte 2 b + a // 2, low nibble first
+        u = (tl.load(base + i3 * (V // 2) + 2 * b3 + a3 // 2).to(tl.int32) >> (4 * (a3 % 2))) & 15
+    else:  # byte b, bits 0-1 first
+        u = (tl.load(base + i3 * (V // 4) + b3).to(tl.int32) >> (2 * a3)) & 3
     return u
 
 
 @triton.jit
-def _pack_store(u, base, BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """Store unsigned codes ``u [K, V]`` (int32) packed at ``base``."""
-    rows = tl.arange(0, K)[:, None]
+def _pack_store(u, base, a3, i3, b3, K: tl.constexpr, V: tl.constexpr, BITS: tl.constexpr):
+    """Store unsigned codes ``u [4, K, V/4]`` (int32) packed at ``base``; the
+    codes of one byte (of one 24-bit word) sit in one thread."""
+    L: tl.constexpr = V // 4
     if BITS == 8:
-        tl.store(base + rows * V + tl.arange(0, V)[None, :], u.to(tl.uint8))
-    elif BITS == 6:
-        VW: tl.constexpr = V // 4
-        sh = (tl.arange(0, 4) * 6)[None, None, :]
-        word = tl.sum(tl.reshape(u, (K, VW, 4)) << sh, axis=2)
-        p = base + rows * (3 * VW) + 3 * tl.arange(0, VW)[None, :]
-        tl.store(p, (word & 255).to(tl.uint8))
-        tl.store(p + 1, ((word >> 8) & 255).to(tl.uint8))
-        tl.store(p + 2, ((word >> 16) & 255).to(tl.uint8))
+        tl.store(base + i3 * V + 4 * b3 + a3, u.to(tl.uint8))
+    elif BITS == 4:
+        byte = tl.sum(tl.reshape(u << (4 * (a3 % 2)), (2, 2, K, L)), axis=1)  # disjoint bits: sum == or
+        i = tl.arange(0, K)[None, :, None]
+        b = tl.arange(0, L)[None, None, :]
+        h = tl.arange(0, 2)[:, None, None]
+        tl.store(base + i * (V // 2) + 2 * b + h, byte.to(tl.uint8))
     else:
-        PER: tl.constexpr = 8 // BITS
-        VB: tl.constexpr = V // PER
-        sh = (tl.arange(0, PER) * BITS)[None, None, :]
-        byte = tl.sum(tl.reshape(u, (K, VB, PER)) << sh, axis=2)
-        tl.store(base + rows * VB + tl.arange(0, VB)[None, :], byte.to(tl.uint8))
+        word = tl.sum(u << (BITS * a3), axis=0)  # [K, L]
+        i = tl.arange(0, K)[:, None]
+        b = tl.arange(0, L)[None, :]
+        if BITS == 6:
+            at = base + i * (3 * V // 4) + 3 * b
+            tl.store(at, (word & 255).to(tl.uint8))
+            tl.store(at + 1, ((word >> 8) & 255).to(tl.uint8))
+            tl.store(at + 2, ((word >> 16) & 255).to(tl.uint8))
+        else:
+            tl.store(base + i * (V // 4) + b, word.to(tl.uint8))
 
 
 @triton.jit
-def _expand_groups(r, K: tl.constexpr, G: tl.constexpr, V: tl.constexpr):
-    """Row factors ``[K, G]`` -> ``[K, V]`` (each over V / G consecutive columns)."""
-    return tl.reshape(tl.broadcast_to(r[:, :, None], (K, G, V // G)), (K, V))
+def _group_rows(t, K: tl.constexpr, L: tl.constexpr):
+    """``t [K, L]`` summed over each INT2 group (8 lanes = 32 columns) and
+    broadcast back: the per-group row sums, ``[K, L]``."""
+    G: tl.constexpr = L // 8
+    s = tl.sum(tl.reshape(t, (K, G, 8)), axis=2)
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (K, G, 8)), (K, L))
 
 
 @triton.jit
@@ -111,81 +136,98 @@ def _head_step(
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr,
 ):
     """The whole step of one head: ``rec``/``rec16`` point at the record (uint8
-    / fp16 views), the others at this (request, head)'s inputs and output."""
+    / fp16 views), the others at this (request, head)'s inputs and output.
+
+    The state is held as ``[4, K, V/4]``, element (a, i, b) = X[i, 4 b + a]:
+    registers hold the 4 consecutive columns (packing stays in a thread), lanes
+    the column quads, warps the key rows. Column sums (over K) then run inside
+    a thread and across warps, row sums over one warp.
+    """
+    L: tl.constexpr = V // 4
+    a3 = tl.arange(0, 4)[:, None, None]
+    i3 = tl.arange(0, K)[None, :, None]
+    b3 = tl.arange(0, L)[None, None, :]
+    col2 = 4 * tl.arange(0, L)[None, :] + tl.arange(0, 4)[:, None]  # [4, L] column index
     rows = tl.arange(0, K)
-    cols = tl.arange(0, V)
-    kk = tl.load(k_ptr + rows).to(tl.float32)
-    qq = tl.load(q_ptr + rows).to(tl.float32)
-    vv = tl.load(v_ptr + cols).to(tl.float32)
+    kk = tl.load(k_ptr + rows).to(tl.float32)[None, :, None]
+    qq = tl.load(q_ptr + rows).to(tl.float32)[None, :, None]
+    vv = tl.load(v_ptr + col2).to(tl.float32)
     decay = tl.exp(tl.load(g_ptr).to(tl.float32))
     beta = tl.load(beta_ptr).to(tl.float32)
 
     # Reconstruct the decayed state S = exp(g) * r c z (or the fp16 pivot).
     if BITS == 16:
-        x_hat = tl.load(rec16 + codes_off // 2 + rows[:, None] * V + cols[None, :]).to(tl.float32)
+        x_hat = tl.load(rec16 + codes_off // 2 + i3 * V + 4 * b3 + a3).to(tl.float32)
     else:
-        u = _unpack(rec + codes_off, BITS, K, V)
-        if BITS == 2:
-            z = 2.0 * u.to(tl.float32) - 3.0
-            G: tl.constexpr = V // 32
-            r = tl.load(rec16 + rows_off // 2 + rows[:, None] * G + tl.arange(0, G)[None, :]).to(tl.float32)
-            r_full = _expand_groups(r, K, G, V)
+        z = _signed(_unpack(rec + codes_off, a3, i3, b3, BITS, V), BITS)
+        if BITS == 2:  # one row factor per 32-column group: lanes b // 8
+            r = tl.load(rec16 + rows_off // 2 + rows[:, None] * (V // 32) + tl.arange(0, L)[None, :] // 8)
+            r = r.to(tl.float32)[None, :, :]  # [1, K, L]
         else:
-            z = (u - ((1 << (BITS - 1)) - 1)).to(tl.float32)
-            r_full = tl.load(rec16 + rows_off // 2 + rows).to(tl.float32)[:, None]
-        c = tl.load(rec16 + cols_off // 2 + cols).to(tl.float32)
-        x_hat = (r_full * c[None, :]) * z
-    s = decay * x_hat
+            r = tl.load(rec16 + rows_off // 2 + rows).to(tl.float32)[None, :, None]  # [1, K, 1]
+        if FAST:  # the decay folded into the row factors: one multiply less per element
+            r = decay * r
+        c = tl.load(rec16 + cols_off // 2 + col2).to(tl.float32)
+        x_hat = (r * c[:, None, :]) * z
+    if FAST and BITS != 16:
+        s = x_hat
+    else:
+        s = decay * x_hat
 
     # Gated delta rule and the readout from the unquantized X.
-    resid = vv - tl.sum(s * kk[:, None], axis=0)
-    x = s + kk[:, None] * (beta * resid)[None, :]
-    tl.store(out_ptr + cols, tl.sum(x * qq[:, None], axis=0))
+    resid = vv - tl.sum(s * kk, axis=1)
+    x = s + kk * (beta * resid)[:, None, :]
+    tl.store(out_ptr + col2, tl.sum(x * qq, axis=1))
 
     if BITS == 16:
-        tl.store(rec16 + codes_off // 2 + rows[:, None] * V + cols[None, :], x.to(tl.float16))
+        tl.store(rec16 + codes_off // 2 + i3 * V + 4 * b3 + a3, x.to(tl.float16))
     else:
         QM: tl.constexpr = 3 if BITS == 2 else (1 << (BITS - 1)) - 1
-        w = tl.load(w_ptr + rows)
-        # 1. row factors from mean |X| and the impact
+        # 1. row factors from mean |X| (per 32-column group for INT2) and the impact
         if BITS == 2:
-            G2: tl.constexpr = V // 32
-            mag = tl.sum(tl.reshape(tl.abs(x), (K, G2, 32)), axis=2) * (1.0 / 32)
-            mag = tl.maximum(mag, 1e-20)
-            r = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w[:, None])))
-            r_full = _expand_groups(r, K, G2, V)
+            w = tl.load(w_ptr + rows)[:, None]  # [K, 1]
+            mag = tl.maximum(_group_rows(tl.sum(tl.abs(x), axis=0), K, L) * (1.0 / 32), 1e-20)  # [K, L]
         else:
-            mag = tl.maximum(tl.sum(tl.abs(x), axis=1) * (1.0 / V), 1e-20)
+            w = tl.load(w_ptr + rows)  # [K]
+            mag = tl.maximum(tl.sum(tl.sum(tl.abs(x), axis=0), axis=1) * (1.0 / V), 1e-20)  # [K]
+        if FAST:
+            r = _fp16_round(tl.sqrt(mag / w))
+        else:
             r = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
-            r_full = r[:, None]
-        if FAST:
-            y = x * tl.math.div_rn(1.0, r_full)
-        else:
-            y = tl.math.div_rn(x, r_full)
-        # 2. column scales by absmax
-        c0 = _fp16_round(tl.math.div_rn(tl.max(tl.abs(y), axis=0), QM * 1.0))
-        if FAST:
-            z0 = _levels(y * tl.math.div_rn(1.0, c0)[None, :], BITS)
-        else:
-            z0 = _levels(tl.math.div_rn(y, c0[None, :]), BITS)
-        # 3. one w²-weighted least-squares refit, then the final codes
-        vals = r_full * z0
-        w2 = (w * w)[:, None]
-        num = tl.sum(w2 * vals * x, axis=0)
-        den = tl.sum(w2 * vals * vals, axis=0)
-        c = tl.where(den > 0, _fp16_round(tl.math.div_rn(num, tl.maximum(den, 1e-30))), c0)
-        if FAST:
-            z = _levels(y * tl.math.div_rn(1.0, c)[None, :], BITS)
-        else:
-            z = _levels(tl.math.div_rn(y, c[None, :]), BITS)
         if BITS == 2:
-            u = ((z + 3.0) * 0.5).to(tl.int32)
-            tl.store(rec16 + rows_off // 2 + rows[:, None] * G2 + tl.arange(0, G2)[None, :], r.to(tl.float16))
+            r3 = r[None, :, :]
+            w3 = w[None, :, :]
         else:
-            u = (z + QM).to(tl.int32)
+            r3 = r[None, :, None]
+            w3 = w[None, :, None]
+        if FAST:
+            # 2. column scales by absmax; 3. one w²-weighted least-squares refit
+            y = x * (1.0 / r3)
+            c0 = _fp16_round(tl.max(tl.abs(y), axis=1) * (1.0 / QM))
+            z0, _ = _levels(y * (1.0 / c0)[:, None, :], BITS)
+            wr = w3 * w3 * r3
+            num = tl.sum(wr * (z0 * x), axis=1)
+            den = tl.sum((wr * r3) * (z0 * z0), axis=1)
+            c = tl.where(den > 0, _fp16_round(num / tl.maximum(den, 1e-30)), c0)
+            _, u = _levels(y * (1.0 / c)[:, None, :], BITS)
+        else:
+            y = tl.math.div_rn(x, r3)
+            c0 = _fp16_round(tl.math.div_rn(tl.max(tl.abs(y), axis=1), QM * 1.0))
+            z0, _ = _levels(tl.math.div_rn(y, c0[:, None, :]), BITS)
+            vals = r3 * z0
+            w2 = w3 * w3
+            num = tl.sum(w2 * vals * x, axis=1)
+            den = tl.sum(w2 * vals * vals, axis=1)
+            c = tl.where(den > 0, _fp16_round(tl.math.div_rn(num, tl.maximum(den, 1e-30))), c0)
+            _, u = _levels(tl.math.div_rn(y, c[:, None, :]), BITS)
+        if BITS == 2:  # lanes 8 g .. 8 g + 7 all hold group g: store from the first
+            lane = tl.arange(0, L)[None, :]
+            tl.store(rec16 + rows_off // 2 + rows[:, None] * (V // 32) + lane // 8, r.to(tl.float16),
+                     mask=(lane % 8) == 0)
+        else:
             tl.store(rec16 + rows_off // 2 + rows, r.to(tl.float16))
-        tl.store(rec16 + cols_off // 2 + cols, c.to(tl.float16))
-        _pack_store(u, rec + codes_off, BITS, K, V)
+        tl.store(rec16 + cols_off // 2 + col2, c.to(tl.float16))
+        _pack_store(u, rec + codes_off, a3, i3, b3, K, V, BITS)
 
 
 @triton.jit
@@ -195,10 +237,11 @@ def _step_kernel(
     w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
     sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh,
     H, QK_GROUP,
-    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr,
+    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr,
 ):
     """Program (j, n): head ``heads[j]`` of request n. ``BITS=0``: the width is
-    read from ``bits[j]`` (fused launch); otherwise it is the constexpr."""
+    read from ``bits[j]`` (fused launch); otherwise it is the constexpr. Record
+    and head offsets are multiples of ``ALIGN`` bytes (vector loads)."""
     j = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     h = tl.load(heads_ptr + j)
@@ -207,7 +250,7 @@ def _step_kernel(
     if slot < min_slot:
         tl.store(out + tl.arange(0, V), tl.zeros((V,), tl.float32))
     else:
-        base = slot * size
+        base = tl.multiple_of(slot * size, ALIGN)
         rec = pool + base
         rec16 = pool16 + base // 2
         qp = q_ptr + n * sqn + (h // QK_GROUP) * sqh
@@ -216,9 +259,9 @@ def _step_kernel(
         gp = g_ptr + n * sgn + h * sgh
         bp = beta_ptr + n * sbn + h * sbh
         wp = w_ptr + h * K
-        co = tl.load(codes_ptr + j)
-        ro = tl.load(rows_ptr + j)
-        cl = tl.load(cols_ptr + j)
+        co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
+        ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
+        cl = tl.multiple_of(tl.load(cols_ptr + j), ALIGN)
         if BITS != 0:
             _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, BITS, K, V, FAST)
         else:
@@ -253,7 +296,7 @@ class StepPlan:
 
     def __init__(self, layout: StateLayout, impact: torch.Tensor, device: torch.device | str):
         k, v = layout.k_dim, layout.v_dim
-        if k & (k - 1) or v & (v - 1) or v < INT2_GROUP:
+        if k & (k - 1) or v & (v - 1) or min(k, v) < INT2_GROUP:
             raise ValueError(f"the Triton step needs power-of-two K and V >= {INT2_GROUP}, got K={k} V={v}")
         if layout.size % 2:
             raise ValueError("the Triton step needs an even record size (fp16 view of the pool)")
@@ -319,7 +362,7 @@ def step_(
     for grp in groups:
         kern = _step_kernel[(grp.heads.numel(), n)](
             pool, pool.view(torch.float16), *common, grp.heads, grp.widths, grp.codes, grp.rows, grp.cols, *tail,
-            BITS=grp.bits, K=kd, V=vd, FAST=fast, num_warps=nw)
+            BITS=grp.bits, K=kd, V=vd, FAST=fast, ALIGN=4 if lay.size % 4 == 0 else 2, num_warps=nw)
         LAST_KERNELS.append((grp.bits, kern))
     return out
 
