@@ -13,10 +13,11 @@ scaled value sits within those ulps of a rounding boundary, and an fp16 scale
 only where it sits within them of an fp16 rounding boundary. The checks:
 
 * out (read from the unquantized X) to ``1e-5`` of its scale;
-* the decoded new state equal on all but a small fraction of elements, and
-  nowhere further apart than one quantization step of that element (2 r c for
-  INT2's odd levels, r c otherwise; one fp16 ulp for pivots);
-* the records byte-equal on the vast majority of bytes.
+* the decoded new state equal on all but a small fraction of elements (1%),
+  and nowhere further apart than one quantization step of that element (2 r c
+  for INT2's odd levels, r c otherwise) plus 2^-9 of its value (a row or
+  column scale one fp16 ulp apart); one fp16 ulp for pivots;
+* the records byte-equal on all but 0.5% of their bytes.
 """
 
 import os
@@ -93,7 +94,9 @@ def assert_close_step(lay, want, got, max_frac=0.01, max_byte_frac=0.005):
     diff = (d_got - d_want).abs()
     step_size = torch.maximum(_steps(lay, r_want), _steps(lay, r_got))
     pivot = torch.tensor([b == PIVOT for b in lay.bits]).view(1, -1, 1, 1)
-    bound = torch.where(pivot, d_want.abs() * 2**-10, step_size * 1.001) + 1e-30
+    # one step, plus the value times fp16 rounding of r and c when a scale differs by an ulp
+    bound = torch.where(pivot, d_want.abs() * 2**-10, step_size + d_want.abs().maximum(d_got.abs()) * 2**-9)
+    bound = bound + 1e-30
     assert bool((diff <= bound).all()), float((diff / bound).max())
     assert (diff > 1e-6 * d_want.abs() + 1e-30).float().mean().item() <= max_frac
     assert (r_got != r_want).float().mean().item() <= max_byte_frac

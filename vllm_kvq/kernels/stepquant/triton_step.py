@@ -5,8 +5,9 @@ Twin of :func:`reference.step`. One program owns one head of one request and
 holds its whole ``K x V`` state in registers, so the row statistics (mean
 ``|X|`` over V) and the column statistics (``Sᵀk``, ``Xᵀq``, absmax and the
 weighted refit over K) are all local: no scratch, no second kernel, no host
-sync (CUDA-graph safe). The record is rewritten in place, which is safe
-because no other program reads that (slot, head).
+sync (CUDA-graph safe). The record is rewritten in place: no other program
+touches that (slot, head), and inside the program every load of the record
+comes before a cross-warp column sum, which comes before every store.
 
 Records live in a pool ``[slots, size]`` (uint8, one row per state slot, as
 vLLM pages them); ``state_indices [N]`` names each request's slot, and
@@ -20,10 +21,13 @@ Two launch shapes, same body:
 * ``fused``: one launch for all heads, the width read from a per-head table
   and dispatched by a runtime branch (fewer launches, larger kernel).
 
-``fast=True`` divides by the row and column scales through their reciprocals
-(one exact division per row/column instead of one per element). Codes then
-differ from the reference's on values that fall within an ulp of a rounding
-boundary; the tests bound that.
+``fast=True`` (the default) multiplies by reciprocals of the row and column
+scales instead of dividing every element, folds the decay into the row
+factors and uses the hardware sqrt/divide for the per-row/column scale math;
+``fast=False`` keeps the reference's IEEE divisions element by element. Either
+way codes differ from the reference's only where a value sits within an ulp
+or two of a rounding boundary (sums also run in another order); the tests
+bound that.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.stepquant.format import INT2_GROUP, PIVOT, StateLayout
+
 
 @triton.jit
 def _fp16_round(x):
@@ -327,7 +332,7 @@ def step_(
     out: torch.Tensor | None = None,
     min_slot: int = 1,
     launch: str = "grouped",
-    fast: bool = False,
+    fast: bool = True,
     num_warps: int | None = None,
 ) -> torch.Tensor:
     """Decode one token per request on the packed pool ``[slots, size]``, in place.
