@@ -41,9 +41,9 @@ SHAPES = {
     "qwen3.5-27b-like": (48, 16, {"@6": (6,) * 40 + (4,) * 4 + (8,) * 3 + (PIVOT,),
                                   "@4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (PIVOT,)}),
 }
-VARIANTS = [  # (launch, fast, num_warps), most wanted first (later ones are skipped past --budget-s)
-    ("grouped", True, 8), ("grouped", True, 16), ("fused", True, 8), ("grouped", False, 8),
-    ("grouped", False, 16), ("fused", True, 16),
+VARIANTS = [  # (launch, fast, num_warps, maxnreg), most wanted first (later ones skipped past --budget-s)
+    ("grouped", True, 8, None), ("grouped", True, 16, None), ("grouped", True, 8, 128), ("fused", True, 8, None),
+    ("grouped", False, 8, None), ("grouped", True, 16, 64), ("grouped", False, 16, None), ("fused", True, 16, None),
 ]
 FP32_TILES = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (BV, num_warps)
 SECTION = "## STEPQuant state update"
@@ -95,28 +95,36 @@ def bench_packed(bits: tuple, h: int, hk: int, gen, ms_fp32: float, deadline: fl
              "record_bytes_differing": float((r_got != r_want).float().mean())}
 
     rows = []
-    for launch, fast, nw in VARIANTS:
-        if rows and time.monotonic() > deadline and (launch, fast) != ("grouped", False):
-            rows.append({"launch": launch, "fast": fast, "num_warps": nw, "error": "skipped (time budget)"})
+    for launch, fast, nw, mr in VARIANTS:
+        head = {"launch": launch, "fast": fast, "num_warps": nw, "maxnreg": mr}
+        if rows and time.monotonic() > deadline and (launch, fast, mr) != ("grouped", False, None):
+            rows.append({**head, "error": "skipped (time budget)"})
             continue
-        fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=launch, fast=fast, num_warps=nw)  # noqa: E731
+        fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=launch, fast=fast,  # noqa: E731
+                              num_warps=nw, maxnreg=mr)
         try:
             ms = do_bench(fn, warmup=10, rep=60)
         except Exception as e:  # noqa: BLE001 - an out-of-resources launch is a result too
-            rows.append({"launch": launch, "fast": fast, "num_warps": nw, "error": repr(e)[:200]})
+            rows.append({**head, "error": repr(e)[:200]})
             print(rows[-1], flush=True)
             continue
         regs = {str(b): [getattr(kern, "n_regs", None), getattr(kern, "n_spills", None)] for b, kern in ts.LAST_KERNELS}
-        rows.append({"launch": launch, "fast": fast, "num_warps": nw, "ms": ms, "gbps": moved / ms / 1e6,
-                     "speedup": ms_fp32 / ms, "regs_spills": regs})
+        rows.append({**head, "ms": ms, "gbps": moved / ms / 1e6, "speedup": ms_fp32 / ms, "regs_spills": regs})
         print(json.dumps(rows[-1]), flush=True)
     ok = [r for r in rows if "ms" in r]
     best = min(ok, key=lambda r: r["ms"])
     best_exact = min((r for r in ok if not r["fast"]), key=lambda r: r["ms"], default=best)
 
+    # the fit's share: the same launch stopping after the readout
+    ms_readout = do_bench(lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=best["launch"],
+                                           fast=best["fast"], num_warps=best["num_warps"], maxnreg=best["maxnreg"],
+                                           fit=False),
+                          warmup=10, rep=60)
+    print(f"readout only {ms_readout:.3f} ms", flush=True)
+
     # the best launch replayed from a CUDA graph (no host work inside the step)
     fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=best["launch"], fast=best["fast"],  # noqa: E731
-                          num_warps=best["num_warps"])
+                          num_warps=best["num_warps"], maxnreg=best["maxnreg"])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -130,7 +138,7 @@ def bench_packed(bits: tuple, h: int, hk: int, gen, ms_fp32: float, deadline: fl
     torch.cuda.empty_cache()
     return {"bits": list(bits), "packed_bytes": lay.packed_bytes, "bits_per_value": lay.bits_per_value(),
             "bytes_moved": moved, "check": check, "variants": rows, "best": best, "best_exact": best_exact,
-            "graph_ms": ms_graph, "graph_speedup": ms_fp32 / ms_graph}
+            "graph_ms": ms_graph, "graph_speedup": ms_fp32 / ms_graph, "readout_only_ms": ms_readout}
 
 
 def bench_fp32(h: int, hk: int, gen) -> dict:
@@ -163,28 +171,32 @@ def render(res: dict) -> str:
         " best of its tilings). Packed: the fused STEPQuant step (unpack, delta rule, readout from the"
         " unquantized X, dual-axis fit, repack in place), best of its launch shapes; 'exact' divides"
         " element-wise like the reference, 'fast' through per-row/column reciprocals. Bytes = state read +"
-        " written + q, k, v, gates and out.",
+        " written + q, k, v, gates and out. 'Without the fit': the same launch stopping after the readout"
+        " (record untouched). 'Packed bytes at copy bw': the packed step's memory floor.",
         "",
         "| layer | plan (bits/value) | FP32 ms | FP32 GB/s | packed ms (launch) | packed GB/s | speed-up |"
-        " exact ms (speed-up) | CUDA-graph ms |",
-        "|---|---|---|---|---|---|---|---|---|",
+        " exact ms (speed-up) | CUDA-graph ms | without the fit ms | packed bytes at copy bw ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in res["shapes"].items():
         f = r["fp32"]["best"]
         for plan, p in r["plans"].items():
             b, e = p["best"], p["best_exact"]
             launch = f"{b['launch']}, {'fast' if b['fast'] else 'exact'}, {b['num_warps']} warps"
+            launch += f", <= {b['maxnreg']} regs" if b.get("maxnreg") else ""
             lines.append(
                 f"| {name} ({r['heads']}/{r['key_heads']} heads) | {plan} ({p['bits_per_value']:.2f}) | {f['ms']:.3f} |"
                 f" {f['gbps']:.0f} | {b['ms']:.3f} ({launch}) | {b['gbps']:.0f} | **{b['speedup']:.2f}x** |"
-                f" {e['ms']:.3f} ({e['speedup']:.2f}x) | {p['graph_ms']:.3f} |")
+                f" {e['ms']:.3f} ({e['speedup']:.2f}x) | {p['graph_ms']:.3f} | {p['readout_only_ms']:.3f} |"
+                f" {p['bytes_moved'] / bw / 1e6:.3f} |")
     lines += ["", "Launch shapes of the packed step (ms; grouped = one launch per width, fused = one launch with the"
-              " width as a runtime branch; fast/exact as above; w = warps per program):", "",
-              "| layer | plan | " + " | ".join(f"{l} {'fast' if f else 'exact'} w{w}" for l, f, w in VARIANTS) + " |",
+              " width as a runtime branch; fast/exact as above; w = warps per program, r = register cap):", "",
+              "| layer | plan | " + " | ".join(f"{l} {'fast' if f else 'exact'} w{w}" + (f" r{m}" if m else "")
+                                            for l, f, w, m in VARIANTS) + " |",
               "|---|---|" + "---|" * len(VARIANTS)]
     for name, r in res["shapes"].items():
         for plan, p in r["plans"].items():
-            cells = {(v["launch"], v["fast"], v["num_warps"]): v for v in p["variants"]}
+            cells = {(v["launch"], v["fast"], v["num_warps"], v.get("maxnreg")): v for v in p["variants"]}
             row = [f"{cells[k]['ms']:.3f}" if "ms" in cells.get(k, {}) else "-" for k in VARIANTS]
             lines.append(f"| {name} | {plan} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

@@ -204,3 +204,16 @@ def test_fp32_baseline_kernel():
     assert torch.allclose(out, (x * qe.unsqueeze(-1)).sum(-2), rtol=1e-5, atol=1e-6)
     assert torch.allclose(dev_state.cpu()[idx.long()], x, rtol=1e-5, atol=1e-6)
     assert torch.equal(dev_state.cpu()[0], state[0])
+
+
+def test_readout_only_leaves_the_record():
+    """``fit=False`` (for timing the fit's share): same out, record untouched."""
+    bits, kd, vd, n = (6, 16), 32, 32, 2
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 2, seed=4)
+    plan = StepPlan(lay, w, DEV)
+    dev = [t.to(DEV) for t in (q, k, v, g, beta)]
+    pool = rec.to(DEV)
+    idx = torch.arange(n, dtype=torch.int32, device=DEV)
+    out = step_(pool, idx, plan, *dev, min_slot=0, fit=False)
+    assert torch.equal(pool.cpu(), rec)
+    assert torch.equal(out, step_(pool, idx, plan, *dev, min_slot=0))

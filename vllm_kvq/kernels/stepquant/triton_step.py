@@ -138,7 +138,7 @@ def _group_rows(t, K: tl.constexpr, L: tl.constexpr):
 def _head_step(
     rec, rec16, w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
     codes_off, rows_off, cols_off,
-    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr,
+    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, FIT: tl.constexpr,
 ):
     """The whole step of one head: ``rec``/``rec16`` point at the record (uint8
     / fp16 views), the others at this (request, head)'s inputs and output.
@@ -184,7 +184,9 @@ def _head_step(
     x = s + kk * (beta * resid)[:, None, :]
     tl.store(out_ptr + col2, tl.sum(x * qq, axis=1))
 
-    if BITS == 16:
+    if not FIT:  # measuring only: the record stays as it was
+        pass
+    elif BITS == 16:
         tl.store(rec16 + codes_off // 2 + i3 * V + 4 * b3 + a3, x.to(tl.float16))
     else:
         QM: tl.constexpr = 3 if BITS == 2 else (1 << (BITS - 1)) - 1
@@ -243,6 +245,7 @@ def _step_kernel(
     sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh,
     H, QK_GROUP,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr,
+    FIT: tl.constexpr,
 ):
     """Program (j, n): head ``heads[j]`` of request n. ``BITS=0``: the width is
     read from ``bits[j]`` (fused launch); otherwise it is the constexpr. Record
@@ -268,19 +271,19 @@ def _step_kernel(
         ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
         cl = tl.multiple_of(tl.load(cols_ptr + j), ALIGN)
         if BITS != 0:
-            _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, BITS, K, V, FAST)
+            _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, BITS, K, V, FAST, FIT)
         else:
             b = tl.load(bits_ptr + j)
             if b == 16:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 16, K, V, FAST)
+                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 16, K, V, FAST, FIT)
             elif b == 8:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 8, K, V, FAST)
+                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 8, K, V, FAST, FIT)
             elif b == 6:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 6, K, V, FAST)
+                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 6, K, V, FAST, FIT)
             elif b == 4:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 4, K, V, FAST)
+                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 4, K, V, FAST, FIT)
             else:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 2, K, V, FAST)
+                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 2, K, V, FAST, FIT)
 
 
 LAST_KERNELS: list = []  # (width, compiled kernel) of the last step_ call: registers and spills for the benchmark
@@ -334,12 +337,17 @@ def step_(
     launch: str = "grouped",
     fast: bool = True,
     num_warps: int | None = None,
+    fit: bool = True,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Decode one token per request on the packed pool ``[slots, size]``, in place.
 
     ``q, k [N, H or H_k, K]`` (key heads are shared by ``H / H_k`` consecutive
     value heads), ``v [N, H, V]``, ``g, beta [N, H]``. Returns ``out [N, H, V]``
-    fp32 (or writes the given ``out``, contiguous).
+    fp32 (or writes the given ``out``, contiguous). ``fit=False`` stops after
+    the readout and leaves the records alone (to time the fit's share);
+    ``maxnreg`` caps registers per thread (two programs per SM at 8 warps and
+    128, at the price of spills).
     """
     lay = plan.layout
     n, h = v.shape[0], len(lay.bits)
@@ -363,11 +371,12 @@ def step_(
     groups = plan.groups if launch == "grouped" else [plan.fused]
     if launch not in ("grouped", "fused"):
         raise ValueError(f"launch must be 'grouped' or 'fused', got {launch!r}")
+    extra = {"maxnreg": maxnreg} if maxnreg else {}
     LAST_KERNELS.clear()
     for grp in groups:
         kern = _step_kernel[(grp.heads.numel(), n)](
             pool, pool.view(torch.float16), *common, grp.heads, grp.widths, grp.codes, grp.rows, grp.cols, *tail,
-            BITS=grp.bits, K=kd, V=vd, FAST=fast, ALIGN=4 if lay.size % 4 == 0 else 2, num_warps=nw)
+            BITS=grp.bits, K=kd, V=vd, FAST=fast, ALIGN=4 if lay.size % 4 == 0 else 2, FIT=fit, num_warps=nw, **extra)
         LAST_KERNELS.append((grp.bits, kern))
     return out
 
