@@ -47,6 +47,17 @@ VARIANTS = [  # (launch, fast, num_warps, maxnreg), most wanted first (later one
 ]
 FP32_TILES = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (BV, num_warps)
 SECTION = "## STEPQuant state update"
+DESIGN = (
+    "Kernel (`vllm_kvq/kernels/stepquant/triton_step.py`): one program per (request, value head) holds the whole"
+    " 128 x 128 state in registers as a `[4, K, V/4]` tile (registers: 4 consecutive columns, lanes: column"
+    " quads, warps: key rows), so the delta rule's `Sᵀk`, the readout `Xᵀq` and the fit's column absmax and"
+    " w²-weighted refit sum inside a thread and across warps, the row magnitudes over one warp, and the codes of a"
+    " byte (of a 6-bit 24-bit word) are unpacked and packed inside one thread. No float/int conversions (codes"
+    " and levels go through the mantissa of 1.5 * 2^23), records rewritten in place, no scratch and no host work"
+    " (the same launch replays from a CUDA graph). Heads are launched per width (the width a constexpr) or in one"
+    " launch with the width as a runtime branch."
+)
+NOTES: list[str] = []  # findings, filled in from the measured run
 
 
 def copy_bandwidth() -> float:
@@ -189,6 +200,7 @@ def render(res: dict) -> str:
                 f" {f['gbps']:.0f} | {b['ms']:.3f} ({launch}) | {b['gbps']:.0f} | **{b['speedup']:.2f}x** |"
                 f" {e['ms']:.3f} ({e['speedup']:.2f}x) | {p['graph_ms']:.3f} | {p['readout_only_ms']:.3f} |"
                 f" {p['bytes_moved'] / bw / 1e6:.3f} |")
+    lines += ["", DESIGN] + (["", *NOTES] if NOTES else [])
     lines += ["", "Launch shapes of the packed step (ms; grouped = one launch per width, fused = one launch with the"
               " width as a runtime branch; fast/exact as above; w = warps per program, r = register cap):", "",
               "| layer | plan | " + " | ".join(f"{l} {'fast' if f else 'exact'} w{w}" + (f" r{m}" if m else "")
