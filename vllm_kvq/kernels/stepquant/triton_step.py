@@ -24,7 +24,8 @@ Two launch shapes, same body:
 ``fast=True`` (the default) multiplies by reciprocals of the row and column
 scales instead of dividing every element, folds the decay into the row
 factors and uses the hardware sqrt/divide for the per-row/column scale math;
-``fast=False`` keeps the reference's IEEE divisions element by element. Either
+``fast=False`` keeps the reference's correctly rounded divisions element by
+element (from correctly rounded reciprocals and one FMA correction). Either
 way codes differ from the reference's only where a value sits within an ulp
 or two of a rounding boundary (sums also run in another order); the tests
 bound that.
@@ -44,6 +45,15 @@ from vllm_kvq.kernels.stepquant.format import INT2_GROUP, PIVOT, StateLayout
 @triton.jit
 def _fp16_round(x):
     return tl.minimum(tl.maximum(x, 5.960464477539063e-08), 65504.0).to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def _div(x, d, d_inv):
+    """``x / d`` correctly rounded from ``d_inv = 1 / d`` (itself correctly
+    rounded): one Newton correction with exact FMA residuals (Markstein), three
+    operations an element instead of a full IEEE division."""
+    q = x * d_inv
+    return tl.fma(tl.fma(-q, d, x), d_inv, q)
 
 
 @triton.jit
@@ -219,15 +229,15 @@ def _head_step(
             c = tl.where(den > 0, _fp16_round(num / tl.maximum(den, 1e-30)), c0)
             _, u = _levels(y * (1.0 / c)[:, None, :], BITS)
         else:
-            y = tl.math.div_rn(x, r3)
+            y = _div(x, r3, tl.math.div_rn(1.0, r3))
             c0 = _fp16_round(tl.math.div_rn(tl.max(tl.abs(y), axis=1), QM * 1.0))
-            z0, _ = _levels(tl.math.div_rn(y, c0[:, None, :]), BITS)
+            z0, _ = _levels(_div(y, c0[:, None, :], tl.math.div_rn(1.0, c0)[:, None, :]), BITS)
             vals = r3 * z0
             w2 = w3 * w3
             num = tl.sum(w2 * vals * x, axis=1)
             den = tl.sum(w2 * vals * vals, axis=1)
             c = tl.where(den > 0, _fp16_round(tl.math.div_rn(num, tl.maximum(den, 1e-30))), c0)
-            _, u = _levels(tl.math.div_rn(y, c[:, None, :]), BITS)
+            _, u = _levels(_div(y, c[:, None, :], tl.math.div_rn(1.0, c)[:, None, :]), BITS)
         if BITS == 2:  # lanes 8 g .. 8 g + 7 all hold group g: store from the first
             lane = tl.arange(0, L)[None, :]
             tl.store(rec16 + rows_off // 2 + rows[:, None] * (V // 32) + lane // 8, r.to(tl.float16),
