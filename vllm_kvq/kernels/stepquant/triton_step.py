@@ -369,6 +369,8 @@ def step_(
         raise ValueError(f"q/k heads {q.shape[1]}/{k.shape[1]} must divide the {h} value heads")
     if out is None:
         out = torch.empty(n, h, vd, dtype=torch.float32, device=v.device)
+    elif out.shape != (n, h, vd) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous [{n}, {h}, {vd}] tensor, got {tuple(out.shape)}")
     if n == 0:
         return out
     for t in (q, k, v):
