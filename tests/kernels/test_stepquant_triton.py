@@ -216,4 +216,5 @@ def test_readout_only_leaves_the_record():
     idx = torch.arange(n, dtype=torch.int32, device=DEV)
     out = step_(pool, idx, plan, *dev, min_slot=0, fit=False)
     assert torch.equal(pool.cpu(), rec)
-    assert torch.equal(out, step_(pool, idx, plan, *dev, min_slot=0))
+    # the same arithmetic up to the readout (two compilations: allow FMA contraction to differ)
+    assert torch.allclose(out, step_(pool, idx, plan, *dev, min_slot=0), rtol=1e-5, atol=1e-7)
