@@ -57,7 +57,20 @@ DESIGN = (
     " (the same launch replays from a CUDA graph). Heads are launched per width (the width a constexpr) or in one"
     " launch with the width as a runtime branch."
 )
-NOTES: list[str] = []  # findings, filled in from the measured run
+NOTES: list[str] = [  # findings of the measured run
+    "**Short of target.** On the H200 (Triton 3.6) the fused packed step is 6.4x *slower* than the FP32 update for"
+    " house-qwen3next @6 (0.487 vs 0.077 ms; @4: 0.393 ms) although it moves 5x fewer bytes: it is bound by"
+    " instructions and registers, not memory. Triton 3.6 gives the 8-warp programs 255 registers with spills"
+    " (Triton 3.9 for sm_90 compiles the same source to 170 registers, no spills, ~50 SASS instructions an element"
+    " against ~15 for the FP32 update); one 128 x 128 head per program leaves one program per SM. Decode, delta"
+    " rule and readout alone take 0.145 ms (the 'without the fit' column): the dual-axis fit is ~70% of the time.",
+    "The Qwen3.5-27B-like rows are missing: the run hit its time limit after the FP32 update for that shape"
+    " (0.800 ms, 4070 GB/s, BV 64, 4 warps).",
+    "Correctness on the H200: `tests/kernels/test_stepquant_triton.py` with `STEPQUANT_REAL_SHAPES=1` passed 14 of"
+    " 16; the fused launch (one kernel, width as a runtime branch, fast path) failed the one-step bound on both"
+    " 48-head shapes (worst element 2.4 steps off). Grouped launches, exact and fast, matched the reference"
+    " (house shapes: out within 2e-7, records byte-equal). Use `launch='grouped'` until that is found.",
+]
 
 
 def copy_bandwidth() -> float:
