@@ -181,3 +181,36 @@ def decode(records: torch.Tensor, layout: StateLayout) -> torch.Tensor:
 def roundtrip(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant") -> torch.Tensor:
     """``decode(encode(x))``: what the pool will hand back next step."""
     return decode(encode(x, layout, impact, fit), layout)
+
+
+# ---------------------------------------------------------------------------
+# Decode step
+# ---------------------------------------------------------------------------
+
+
+def step(
+    records: torch.Tensor,
+    layout: StateLayout,
+    impact: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    fit: str = "stepquant",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One gated delta-rule token per request on packed states.
+
+    ``records [N, size]``; ``q, k [N, H, K]`` per value head (L2-normed, q
+    scaled; GQA callers expand key heads), ``v [N, H, V]``, ``g`` (log-decay)
+    and ``beta`` ``[N, H]``. Per head: ``S = exp(g) X̂``, ``X = S + k (β (v -
+    Sᵀk))ᵀ``, ``out = Xᵀq`` from the unquantized X (the paper's readout), and
+    ``new_records = encode(X)``. Returns (out fp32 [N, H, V], new_records).
+    """
+    x_hat = decode(records, layout)
+    s = torch.exp(g.float())[..., None, None] * x_hat
+    k, q = k.float(), q.float()
+    resid = v.float() - (s * k.unsqueeze(-1)).sum(-2)
+    x = s + k.unsqueeze(-1) * (beta.float().unsqueeze(-1) * resid).unsqueeze(-2)
+    out = (x * q.unsqueeze(-1)).sum(-2)
+    return out, encode(x, layout, impact, fit)

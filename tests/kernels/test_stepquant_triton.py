@@ -1,0 +1,220 @@
+"""The fused STEPQuant decode step (Triton) against ``reference.step``.
+
+Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
+set before Triton compiles anything) at small shapes; on a GPU the same tests
+run compiled, and ``STEPQUANT_REAL_SHAPES=1`` adds the serving shapes
+(K = V = 128, 4 and 48 value heads with @6 and @4 plans).
+
+Why not byte equality everywhere: the kernel sums ``Sᵀk``, ``Xᵀq``, the row
+magnitudes and the refit sums in another order than torch (and the GPU
+contracts ``a*b+c`` into FMAs and uses its own ``exp``), so X differs from the
+reference's by a few ulps. A code then flips by one level only where the
+scaled value sits within those ulps of a rounding boundary, and an fp16 scale
+only where it sits within them of an fp16 rounding boundary. The checks:
+
+* out (read from the unquantized X) to ``1e-5`` of its scale;
+* the decoded new state equal on all but a small fraction of elements (1%),
+  and nowhere further apart than one quantization step of that element (2 r c
+  for INT2's odd levels, r c otherwise) plus 2^-9 of its value (a row or
+  column scale one fp16 ulp apart); one fp16 ulp for pivots;
+* the records byte-equal on all but 0.5% of their bytes.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+pytest.importorskip("triton")
+
+from vllm_kvq.kernels.stepquant import reference as ref  # noqa: E402
+from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout  # noqa: E402
+from vllm_kvq.kernels.stepquant.triton_fp32 import fp32_step_  # noqa: E402
+from vllm_kvq.kernels.stepquant.triton_step import StepPlan, step, step_  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+REAL = DEV == "cuda" and bool(os.environ.get("STEPQUANT_REAL_SHAPES"))
+# (bits per value head, K, V, batch, key heads)
+SMALL = [((2, 4, 6, 8, 16), 32, 32, 3, 5), ((8, 4, 16, 6), 64, 64, 2, 2)]
+REAL_SHAPES = [((4, 6, 6, 8), 128, 128, 8, 2),
+               ((6,) * 40 + (4,) * 4 + (8,) * 3 + (PIVOT,), 128, 128, 4, 16),
+               ((4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (PIVOT,), 128, 128, 4, 16)]
+SHAPES = SMALL + (REAL_SHAPES if REAL else [])
+
+
+def _ids(s):
+    return f"H{len(s[0])}-K{s[1]}-V{s[2]}"
+
+
+def _inputs(bits, kd, vd, n, hk, seed=0, zero_state=False):
+    gen = torch.Generator().manual_seed(seed)
+    h = len(bits)
+    lay = StateLayout(bits, kd, vd)
+    w = torch.exp(torch.randn(h, kd, generator=gen) * 0.4)
+    w = w / w.log().mean(-1, keepdim=True).exp()
+    rows = torch.rand(1, h, kd, 1, generator=gen) * 3 + 0.05
+    cols = torch.rand(1, h, 1, vd, generator=gen) * 2 + 0.05
+    x = torch.randn(n, h, kd, vd, generator=gen) * rows * cols
+    rec = torch.zeros(n, lay.size, dtype=torch.uint8) if zero_state else ref.encode(x, lay, w)
+    q = torch.nn.functional.normalize(torch.randn(n, hk, kd, generator=gen), dim=-1) * kd**-0.5
+    k = torch.nn.functional.normalize(torch.randn(n, hk, kd, generator=gen), dim=-1)
+    v = torch.randn(n, h, vd, generator=gen) * 2
+    g = -torch.rand(n, h, generator=gen) * 0.2
+    beta = torch.rand(n, h, generator=gen)
+    return lay, w, rec, q, k, v, g, beta
+
+
+def _expand(t, h):
+    return t.repeat_interleave(h // t.shape[1], dim=1)
+
+
+def _steps(lay, rec):
+    """Per-element quantization step of the states in ``rec`` (0 for pivots)."""
+    n, kd, vd = rec.shape[0], lay.k_dim, lay.v_dim
+    out = torch.zeros(n, len(lay.bits), kd, vd)
+    for i, s in enumerate(lay.heads):
+        if s.bits == PIVOT:
+            continue
+        r = rec[:, s.rows : s.rows + 2 * kd * s.row_groups].contiguous().view(torch.float16).float()
+        r = r.view(n, kd, s.row_groups).repeat_interleave(vd // s.row_groups, -1)
+        c = rec[:, s.cols : s.cols + 2 * vd].contiguous().view(torch.float16).float().view(n, 1, vd)
+        out[:, i] = r * c * (2 if s.bits == 2 else 1)
+    return out
+
+
+def assert_close_step(lay, want, got, max_frac=0.01, max_byte_frac=0.005):
+    (o_want, r_want), (o_got, r_got) = want, got
+    o_got, r_got = o_got.cpu(), r_got.cpu()
+    scale = o_want.abs().max().item() + 1e-6
+    assert (o_got - o_want).abs().max().item() <= 1e-5 * scale
+    d_want, d_got = ref.decode(r_want, lay), ref.decode(r_got, lay)
+    diff = (d_got - d_want).abs()
+    step_size = torch.maximum(_steps(lay, r_want), _steps(lay, r_got))
+    pivot = torch.tensor([b == PIVOT for b in lay.bits]).view(1, -1, 1, 1)
+    # one step, plus the value times fp16 rounding of r and c when a scale differs by an ulp
+    bound = torch.where(pivot, d_want.abs() * 2**-10, step_size + d_want.abs().maximum(d_got.abs()) * 2**-9)
+    bound = bound + 1e-30
+    assert bool((diff <= bound).all()), float((diff / bound).max())
+    assert (diff > 1e-6 * d_want.abs() + 1e-30).float().mean().item() <= max_frac
+    assert (r_got != r_want).float().mean().item() <= max_byte_frac
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("launch,fast", [("grouped", False), ("fused", True)])
+def test_step_matches_reference(shape, launch, fast):
+    bits, kd, vd, n, hk = shape
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk)
+    h = len(bits)
+    want = ref.step(rec, lay, w, _expand(q, h), _expand(k, h), v, g, beta)
+    dev = [t.to(DEV) for t in (rec, q, k, v, g, beta)]
+    got = step(dev[0], lay, w, *dev[1:], launch=launch, fast=fast)
+    assert_close_step(lay, want, got)
+
+
+def test_zero_state_and_per_value_head_qk():
+    """A fresh request (all-zero record) with q/k already expanded per value head."""
+    bits, kd, vd, n = (16, 2, 8), 32, 32, 2
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 3, seed=5, zero_state=True)
+    want = ref.step(rec, lay, w, q, k, v, g, beta)
+    dev = [t.to(DEV) for t in (rec, q, k, v, g, beta)]
+    assert_close_step(lay, want, step(dev[0], lay, w, *dev[1:]))
+    # from zero: X = k (β v)ᵀ exactly up to the product's rounding
+    x = k.unsqueeze(-1) * (beta.unsqueeze(-1) * v).unsqueeze(-2)
+    assert torch.allclose(want[0], (x * q.unsqueeze(-1)).sum(-2), rtol=1e-5, atol=1e-7)
+
+
+def test_pool_in_place_with_padding_slots():
+    """Shuffled slots of a pool; indices below ``min_slot`` read and write nothing."""
+    bits, kd, vd, n = (4, 6), 32, 32, 4
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 1, seed=7)
+    slots = [3, 0, 1, -1]  # 0: vLLM's null slot, -1: padding
+    pool = torch.randint(0, 256, (5, lay.size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for i, s in enumerate(slots):
+        if s > 0:
+            pool[s] = rec[i]
+    before = pool.clone()
+    pool_dev = pool.to(DEV)
+    idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    plan = StepPlan(lay, w, DEV)
+    out = step_(pool_dev, idx, plan, *[t.to(DEV) for t in (q, k, v, g, beta)]).cpu()
+    live = [i for i, s in enumerate(slots) if s > 0]
+    o_want, r_want = ref.step(rec[live], lay, w, _expand(q[live], 2), _expand(k[live], 2), v[live], g[live],
+                              beta[live])
+    after = pool_dev.cpu()
+    assert_close_step(lay, (o_want, r_want), (out[live], after[[slots[i] for i in live]]))
+    dead = [i for i, s in enumerate(slots) if s <= 0]
+    assert out[dead].abs().max() == 0
+    for s in (0, 2, 4):
+        assert torch.equal(after[s], before[s])
+
+
+def test_repeated_steps_stay_on_the_reference_trajectory():
+    """Feed each side its own records for a few steps: rare code flips must not compound."""
+    bits, kd, vd, n = (2, 6, 16), 32, 32, 2
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 3, seed=11)
+    gen = torch.Generator().manual_seed(12)
+    plan = StepPlan(lay, w, DEV)
+    r_ref, r_dev = rec, rec.to(DEV)
+    for _ in range(4):
+        q = torch.nn.functional.normalize(torch.randn(q.shape, generator=gen), dim=-1) * kd**-0.5
+        k = torch.nn.functional.normalize(torch.randn(k.shape, generator=gen), dim=-1)
+        v = torch.randn(v.shape, generator=gen)
+        o_ref, r_ref = ref.step(r_ref, lay, w, q, k, v, g, beta)
+        o_dev, r_dev = step(r_dev, lay, w, *[t.to(DEV) for t in (q, k, v, g, beta)], plan=plan)
+        err = (o_dev.cpu() - o_ref).abs().max().item()
+        assert err <= 1e-3 * o_ref.abs().max().item()
+    step_size = _steps(lay, r_ref)
+    assert bool(((ref.decode(r_dev.cpu(), lay) - ref.decode(r_ref, lay)).abs()
+                 <= 4 * step_size + 1e-3 * ref.decode(r_ref, lay).abs()).all())
+
+
+def test_reference_step_is_the_delta_rule():
+    """``reference.step`` against a per-head float64 loop of the recurrence."""
+    bits, kd, vd, n = (4, 16), 32, 32, 2
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 2, seed=3)
+    out, new = ref.step(rec, lay, w, q, k, v, g, beta)
+    x_hat = ref.decode(rec, lay).double()
+    for i in range(n):
+        for h in range(len(bits)):
+            s = torch.exp(g[i, h].double()) * x_hat[i, h]
+            kk, qq = k[i, h].double(), q[i, h].double()
+            x = s + beta[i, h].double() * torch.outer(kk, v[i, h].double() - s.T @ kk)
+            assert torch.allclose(out[i, h].double(), x.T @ qq, rtol=1e-5, atol=1e-6)
+            got = ref.decode(new, lay)[i, h].double()
+            want = ref.roundtrip(x.float()[None, None], StateLayout((bits[h],), kd, vd), w[h : h + 1])[0, 0]
+            assert torch.allclose(got, want.double(), rtol=1e-3, atol=1e-5)
+
+
+def test_fp32_baseline_kernel():
+    n, h, hk, kd, vd = 3, 4, 2, 32, 64
+    gen = torch.Generator().manual_seed(2)
+    state = torch.randn(n + 1, h, kd, vd, generator=gen)
+    q = torch.nn.functional.normalize(torch.randn(n, hk, kd, generator=gen), dim=-1) * kd**-0.5
+    k = torch.nn.functional.normalize(torch.randn(n, hk, kd, generator=gen), dim=-1)
+    v, g, beta = torch.randn(n, h, vd, generator=gen), -torch.rand(n, h, generator=gen), torch.rand(n, h, generator=gen)
+    idx = torch.tensor([1, 3, 2], dtype=torch.int32)
+    s = torch.exp(g)[..., None, None] * state[idx.long()]
+    ke, qe = _expand(k, h), _expand(q, h)
+    x = s + ke.unsqueeze(-1) * (beta.unsqueeze(-1) * (v - (s * ke.unsqueeze(-1)).sum(-2))).unsqueeze(-2)
+    dev_state = state.to(DEV)
+    out = fp32_step_(dev_state, idx.to(DEV), *[t.to(DEV) for t in (q, k, v, g, beta)]).cpu()
+    assert torch.allclose(out, (x * qe.unsqueeze(-1)).sum(-2), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(dev_state.cpu()[idx.long()], x, rtol=1e-5, atol=1e-6)
+    assert torch.equal(dev_state.cpu()[0], state[0])
+
+
+def test_readout_only_leaves_the_record():
+    """``fit=False`` (for timing the fit's share): same out, record untouched."""
+    bits, kd, vd, n = (6, 16), 32, 32, 2
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 2, seed=4)
+    plan = StepPlan(lay, w, DEV)
+    dev = [t.to(DEV) for t in (q, k, v, g, beta)]
+    pool = rec.to(DEV)
+    idx = torch.arange(n, dtype=torch.int32, device=DEV)
+    out = step_(pool, idx, plan, *dev, min_slot=0, fit=False)
+    assert torch.equal(pool.cpu(), rec)
+    # the same arithmetic up to the readout (two compilations: allow FMA contraction to differ)
+    assert torch.allclose(out, step_(pool, idx, plan, *dev, min_slot=0), rtol=1e-5, atol=1e-7)
