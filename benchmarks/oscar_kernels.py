@@ -323,6 +323,15 @@ def cuda_check_section(c: dict) -> list[str]:
     return lines
 
 
+def keep_stepquant_section(text: str) -> str:
+    """docs/kernels.md also holds benchmarks/stepquant_kernels.py's section: keep it."""
+    path, marker = REPO / "docs" / "kernels.md", "## STEPQuant state update"
+    old = path.read_text() if path.exists() else ""
+    if marker in old and marker not in text:
+        text = text.rstrip() + "\n\n" + old[old.index(marker):]
+    return text
+
+
 def e2e_section(results: dict) -> list[str]:
     sys.path.insert(0, str(Path(__file__).parent))
     from oscar_vllm_e2e import render as render_e2e
@@ -343,7 +352,7 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
     if args.render_only:
         res = json.loads(Path(args.render_only).read_text())
-        (REPO / "docs" / "kernels.md").write_text(render(res))
+        (REPO / "docs" / "kernels.md").write_text(keep_stepquant_section(render(res)))
         return
     gen = torch.Generator(device=DEV).manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
