@@ -21,7 +21,9 @@ TIE = 0.25  # top-2 logprob margin under which a bf16 model's greedy choice is a
 
 
 def generate(greedy, prompts, **kw):
-    llm = make_llm(MODEL, dtype="bfloat16", max_model_len=MAX_LEN, **kw)
+    # bf16 GDN states: vLLM's "auto" picks fp32 or bf16 depending on the CPU's
+    # bf16 support, and the state size decides how long hybrid blocks are
+    llm = make_llm(MODEL, dtype="bfloat16", max_model_len=MAX_LEN, mamba_ssm_cache_dtype="bfloat16", **kw)
     try:
         cap = llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
         return cap, llm.generate(prompts, greedy(16, logprobs=2), use_tqdm=False)
