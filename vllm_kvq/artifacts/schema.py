@@ -34,6 +34,16 @@ class ArtifactError(ValueError):
     """An artifact that must not be served; the message names the fix."""
 
 
+def read_tensors(path: Path, where: str, fix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of an artifact's safetensors file (no pickle involved)."""
+    if not (path / TENSORS).is_file():
+        raise ArtifactError(f"{where}: no {TENSORS}{fix}")
+    from safetensors import safe_open
+
+    with safe_open(str(path / TENSORS), framework="pt") as f:
+        return {key: f.get_tensor(key) for key in f.keys()}
+
+
 def read_manifest(path: Path, fix: str) -> dict:
     """manifest.json of an artifact directory, with format and version checked.
 
@@ -136,14 +146,7 @@ class OscarArtifact:
         missing = [k for k in required if k not in manifest]
         if missing:
             raise ArtifactError(f"{where}: manifest lacks {missing}")
-        if not (path / TENSORS).is_file():
-            raise ArtifactError(f"{where}: no {TENSORS}")
-        from safetensors import safe_open
-
-        tensors = {}
-        with safe_open(str(path / TENSORS), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        tensors = read_tensors(path, where)
         layers = [int(x) for x in manifest["layers"]]
 
         def per_layer(kind: str) -> dict[int, torch.Tensor]:

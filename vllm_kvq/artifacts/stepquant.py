@@ -26,7 +26,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_kvq.artifacts.schema import FORMAT_NAME, FORMAT_VERSION, MANIFEST, TENSORS, ArtifactError, read_manifest
+from vllm_kvq.artifacts.schema import (
+    FORMAT_NAME, FORMAT_VERSION, MANIFEST, TENSORS, ArtifactError, read_manifest, read_tensors,
+)
 from vllm_kvq.kernels.stepquant.format import PIVOT, WIDTHS, StateLayout
 
 KIND = "stepquant"
@@ -136,14 +138,7 @@ class StepQuantPlan:
         missing = [k for k in required if k not in manifest]
         if missing:
             raise ArtifactError(f"{where}: manifest lacks {missing}; re-run `vllm-kvq calibrate --stepquant`")
-        if not (path / TENSORS).is_file():
-            raise ArtifactError(f"{where}: no {TENSORS}; re-run `vllm-kvq calibrate --stepquant`")
-        from safetensors import safe_open
-
-        tensors = {}
-        with safe_open(str(path / TENSORS), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        tensors = read_tensors(path, where, "; re-run `vllm-kvq calibrate --stepquant`")
         try:
             layers = [int(x) for x in manifest["layers"]]
             budgets = [int(b) for b in manifest["budgets"]]
