@@ -220,19 +220,20 @@ def write_markdown(path: Path) -> None:
         lines += [
             "## Calibration time",
             "",
-            "`vllm-kvq calibrate` on CPU, the whole command (process start to artifact written), "
-            "from `python benchmarks/calibration_time.py`. The machine's CPUs were shared with other "
-            "jobs (load average before and after), so the wall time measures the sharing as much as "
-            "the command; the CPU time is the command's own work: an idle machine takes at most that "
-            "long (one core busy), about half with both cores. Target: under 2 minutes for "
-            "house-qwen3.",
+            "`vllm-kvq calibrate`, the whole command (process start to artifact written: imports, "
+            "tokenization, checkpoint load, both capture passes, fitting), from "
+            "`python benchmarks/calibration_time.py` (CPU) and `python benchmarks/calibration_time.py "
+            "--random-shape qwen3-8b --device cuda --dtype bfloat16 ...` (GPU: a random-weight model of "
+            "Qwen3-8B's shape, written before the clock starts). The load average shows whether other "
+            "jobs shared the CPUs. Targets: house-qwen3 under 2 minutes on CPU; Qwen3-8B shape at about "
+            "30K tokens within 5 minutes on the H200.",
             "",
-            "| model | clip | tokens | wall time | CPU time (user + sys) | CPUs | load average before / after |",
-            "|---|---|---|---|---|---|---|",
+            "| model | device | dtype | clip | tokens | wall time | CPU time (user + sys) | load average before / after |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for r in json.loads(timing.read_text()):
-            lines.append(f"| {r['model']} | {r['clip']} | {r['tokens']:,} | {r['wall_s']:.0f} s | "
-                         f"{r.get('cpu_s', float('nan')):.0f} s | {r['cpus']} | "
+            lines.append(f"| {r['model']} | {r.get('device', 'CPU')} | {r.get('dtype', 'float32')} | {r['clip']} | "
+                         f"{r['tokens']:,} | {r['wall_s']:.0f} s | {r.get('cpu_s', float('nan')):.0f} s | "
                          f"{r['load_before']} / {r.get('load_after', '?')} |")
         lines.append("")
     path.write_text("\n".join(lines) + "\n")

@@ -8,13 +8,14 @@
 #   check  the CUDA check in real vLLM, scripts/cuda_check.py (~3 min);
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
 #   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (~5 min);
-#   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min).
+#   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
+#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~3 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
-steps=" ${*:-tests bench check e2e state fp8} "
+steps=" ${*:-tests bench check e2e state fp8 calib} "
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [[ $steps == *" tests "* ]]; then
@@ -39,4 +40,10 @@ fi
 if [[ $steps == *" fp8 "* ]]; then
   timeout 240 python3 scripts/cuda_fp8_check.py > "$OUT/cuda_fp8_check.log" 2>&1; echo "fp8 check rc=$?"
   [ -f "$OUT/cuda_fp8_check.json" ] && cat "$OUT/cuda_fp8_check.json"
+fi
+if [[ $steps == *" calib "* ]]; then
+  carry=.device-carry/house-qwen3
+  timeout 420 python3 benchmarks/calibration_time.py --random-shape qwen3-8b --device cuda --dtype bfloat16 \
+    --tokenizer $carry --data $carry/code-dev.txt.gz --json "$OUT/calibration-time-gpu.json" 2>&1 | tail -3
+  echo "calib rc=$?"
 fi

@@ -1,4 +1,5 @@
-"""Pack house-qwen3 and tokenized prompts small enough to travel to a GPU machine.
+"""Pack house-qwen3, its tokenizer, the calibration text and tokenized prompts
+small enough to travel to a GPU machine.
 
 A trained model is needed for the CUDA token-equality check: a random-weight
 model predicts near-uniformly, so any rounding difference flips greedy ties.
@@ -37,8 +38,9 @@ def pack_weights(out: Path) -> None:
         else:
             packed[name] = w
     save_file(packed, out / "model.int8.safetensors")
-    for f in ("config.json", "generation_config.json"):
+    for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(MODEL / f, out / f)
+    shutil.copy(EVAL / "code-dev.txt.gz", out / "code-dev.txt.gz")  # calibration text for the GPU timing
 
 
 def pack_prompts(out: Path) -> None:
