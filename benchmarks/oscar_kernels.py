@@ -6,10 +6,12 @@
   measured here.
 * Write path: the fused store for a prefill-sized batch of tokens, against
   the bandwidth ceiling.
+* Extend (prefill chunk over INT2 + BF16 history) against torch SDPA (flash)
+  over the same context in BF16.
 * Model projection: Qwen3-4B at 100K context, batch as the H200's memory
   allows for each cache, from measured attention, store and GEMM times.
 
-    python benchmarks/oscar_kernels.py [--quick]
+    python benchmarks/oscar_kernels.py [--quick] [--sections extend ...]
 
 Writes ``benchmarks/results/oscar_kernels.json`` and ``docs/kernels.md`` (or
 ``$OUT``).
@@ -32,6 +34,7 @@ from triton.testing import do_bench
 from vllm_kvq.kernels.oscar import reference as ref
 from vllm_kvq.kernels.oscar.format import OscarFormat
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention, num_splits
+from vllm_kvq.kernels.oscar.triton_extend import extend_attention, query_tiles
 from vllm_kvq.kernels.oscar.triton_store import store_tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,6 +175,43 @@ def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
     return res
 
 
+EXTEND_LAUNCHES = [{"rows": r, "block_n": n, "num_warps": w}
+                   for r, n, w in ((16, 32, 4), (64, 32, 4), (64, 64, 4), (64, 64, 8), (128, 64, 8), (128, 32, 4))]
+
+
+def bench_extend(hq: int, hkv: int, d: int, ctx: int, chunk: int, gen) -> dict:
+    """One prefill chunk of ``chunk`` tokens after ``ctx`` tokens of history, at
+    each launch of EXTEND_LAUNCHES, against flash SDPA over the same keys in
+    BF16 (not causal inside the chunk: (ctx + chunk) keys per query against
+    ctx + chunk / 2 on average, a few percent more work)."""
+    fmt = fmt_for(d)
+    cache, table = make_cache(fmt, 1, ctx + chunk, hkv, gen)
+    q = torch.randn(chunk, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
+    k = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    tiles = query_tiles([(0, 0, chunk, ctx)], DEV)
+    out = torch.empty_like(q)
+    sweep = []
+    for launch in EXTEND_LAUNCHES:
+        ms = do_bench(lambda: extend_attention(q, k, v, cache, fmt, table, tiles, d ** -0.5, out, launch),
+                      warmup=5, rep=30)
+        sweep.append({"launch": launch, "ms": ms})
+    best = min(sweep, key=lambda r: r["ms"])
+    del cache, table
+    kk = torch.randn(1, hq, ctx + chunk, d, device=DEV, generator=gen).to(torch.bfloat16)
+    vv = torch.randn(1, hq, ctx + chunk, d, device=DEV, generator=gen).to(torch.bfloat16)
+    qq = q.transpose(0, 1).unsqueeze(0).contiguous()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        ms_bf16 = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(qq, kk, vv), warmup=5, rep=30)
+    del kk, vv
+    torch.cuda.empty_cache()
+    return {"hq": hq, "hkv": hkv, "d": d, "context": ctx, "chunk": chunk, "sweep": sweep,
+            "launch": best["launch"], "oscar_ms": best["ms"], "bf16_sdpa_ms": ms_bf16,
+            "speedup": ms_bf16 / best["ms"]}
+
+
 def gemm_ms(batch: int, shapes: list[tuple[int, int]], gen) -> float:
     """One decoder layer's linear layers at ``batch`` tokens, bf16."""
     total = 0.0
@@ -258,6 +298,21 @@ def render(res: dict) -> str:
     ]
     for name in ("store_rotated", "store_unrotated", "bf16_cache_copy"):
         lines.append(f"| {name} | {s[name]['ms']:.3f} | {s[name]['gbps']:.0f} ({100 * s[name]['gbps'] / bw:.0f}%) |")
+    if "extend" in res:
+        lines += [
+            "",
+            "## Extend (a prefill chunk over INT2 + BF16 history)",
+            "",
+            "One request's chunk of new tokens after a history of `context` tokens: OSCAR's extend kernel (INT2"
+            " history, BF16 sink/window and chunk; best launch of a sweep in the same run) against torch SDPA"
+            " (flash) over the same keys in BF16, not causal inside the chunk (a few percent more work for it).",
+            "",
+            "| Hq/Hkv/D | context | chunk | OSCAR ms (launch) | BF16 SDPA ms | speed-up |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in res["extend"]:
+            lines.append(f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['context']:,} | {r['chunk']:,} | {r['oscar_ms']:.3f} "
+                         f"({r['launch']}) | {r['bf16_sdpa_ms']:.3f} | {r['speedup']:.2f}x |")
     if "projection" in res:
         p = res["projection"]
         lines += [
@@ -348,6 +403,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one shape, B=32 only")
     ap.add_argument("--first-shape", action="store_true", help="only the first (Hq, Hkv, D), every batch")
     ap.add_argument("--render-only", metavar="JSON")
+    ap.add_argument("--sections", nargs="*", default=["decode", "store", "extend", "projection"],
+                    help="run these; the others are kept from benchmarks/results/oscar_kernels.json")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
     if args.render_only:
@@ -356,30 +413,40 @@ def main() -> None:
         return
     gen = torch.Generator(device=DEV).manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    res = {"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
-           "torch": torch.__version__, "triton": triton.__version__, "sms": sms}
+    saved = REPO / "benchmarks" / "results" / "oscar_kernels.json"
+    res = json.loads(saved.read_text()) if saved.exists() and set(args.sections) != {
+        "decode", "store", "extend", "projection"} else {}
+    res.update({"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
+                "torch": torch.__version__, "triton": triton.__version__, "sms": sms})
     res["read_bandwidth_gbps"] = read_bandwidth() / 1e9
     print(f"read bandwidth {res['read_bandwidth_gbps']:.0f} GB/s", flush=True)
-    best, sweep = sweep_launch(sms, gen)
-    res["launch"], res["launch_sweep"] = best, sweep
-    print("launch", best, sweep, flush=True)
-    res["decode"] = []
-    shapes = SHAPES[:1] if args.quick or args.first_shape else SHAPES
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "oscar_kernels.partial.json"
-    for hq, hkv, d in shapes:
-        for b in ([32] if args.quick else BATCHES):
-            for ctx in CONTEXTS:
-                r = bench_decode(hq, hkv, d, b, ctx, sms, gen, best)
-                res["decode"].append(r)
-                print(json.dumps(r), flush=True)
-                partial.write_text(json.dumps(res, indent=2))
-    res["store"] = bench_store(16384, 8, 128, gen)
-    print(json.dumps(res["store"]), flush=True)
-    partial.write_text(json.dumps(res, indent=2))
-    res["projection"] = project_qwen3_4b(sms, gen, best)
-    print(json.dumps(res["projection"]), flush=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    if "decode" in args.sections or "projection" in args.sections:
+        best, sweep = sweep_launch(sms, gen)
+        res["launch"], res["launch_sweep"] = best, sweep
+        print("launch", best, sweep, flush=True)
+    if "decode" in args.sections:
+        res["decode"] = []
+        shapes = SHAPES[:1] if args.quick or args.first_shape else SHAPES
+        for hq, hkv, d in shapes:
+            for b in ([32] if args.quick else BATCHES):
+                for ctx in CONTEXTS:
+                    r = bench_decode(hq, hkv, d, b, ctx, sms, gen, res["launch"])
+                    res["decode"].append(r)
+                    print(json.dumps(r), flush=True)
+                    partial.write_text(json.dumps(res, indent=2))
+    if "store" in args.sections:
+        res["store"] = bench_store(16384, 8, 128, gen)
+        print(json.dumps(res["store"]), flush=True)
+        partial.write_text(json.dumps(res, indent=2))
+    if "extend" in args.sections:
+        res["extend"] = [bench_extend(hq, hkv, 128, ctx, 4096, gen) for hq, hkv, _ in SHAPES for ctx in (8192, 32768)]
+        print(json.dumps(res["extend"]), flush=True)
+        partial.write_text(json.dumps(res, indent=2))
+    if "projection" in args.sections:
+        res["projection"] = project_qwen3_4b(sms, gen, res["launch"])
+        print(json.dumps(res["projection"]), flush=True)
     (out_dir / "oscar_kernels.json").write_text(json.dumps(res, indent=2))
     (out_dir / "kernels.md").write_text(render(res))
     partial.unlink(missing_ok=True)

@@ -166,7 +166,7 @@ def test_decode_sub_page_steps(g):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")
-def test_extend_matches_reference(shape):
+def test_extend_matches_reference(shape, launch=None):
     """One batch of chunks: a first prefill, chunks that start inside the sink,
     inside the window and far beyond it, shorter and longer than W; then the
     pages after store (INT2) -> extend -> store (BF16) equal the reference's."""
@@ -215,9 +215,16 @@ def test_extend_matches_reference(shape):
     tiles = query_tiles([(i, firsts[i], t, ctx) for i, (ctx, t) in enumerate(steps)], DEV)
     out = torch.empty(q.shape, dtype=torch.float32, device=DEV)
     store_tokens(cache, fmt, k, v, None, pos, req, end, tdev, 0.96, 0.92, state=False)
-    extend_attention(q, k, v, cache, fmt, tdev, tiles, scale, out)
+    extend_attention(q, k, v, cache, fmt, tdev, tiles, scale, out, launch)
     store_tokens(cache, fmt, k, v, None, pos, req, end, tdev, 0.96, 0.92, data=False)
     err = (out - want).abs().max().item()
     print(f"max |triton - reference| {err:.2e}, mean {(out - want).abs().mean().item():.2e}")
     assert err < 5e-3 and (out - want).abs().mean().item() < 5e-4
     assert torch.equal(cache.cpu(), want_cache.cpu())
+
+
+@pytest.mark.parametrize("launch", [None, {"rows": 16, "block_n": 32, "num_warps": 4}])
+def test_extend_head_blocks(launch):
+    """Six query heads per KV head: two programs of four heads each (the second
+    half masked), or six of one head."""
+    test_extend_matches_reference(dict(SMALL, group=6), launch)

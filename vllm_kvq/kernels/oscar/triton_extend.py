@@ -8,9 +8,11 @@ stored and before its BF16 rows are (``triton_store.store_tokens`` with
 ``state=False``, then this, then ``data=False``): its early queries need the
 ring rows that its later tokens overwrite.
 
-Grid ``(tiles, Hq)``; a tile is up to ``BLOCK_M`` consecutive query tokens of
-one request. Keys are visited in three ranges, so that only the last one pays
-for both precisions:
+Grid ``(tiles, H, head blocks)``; a tile is up to ``BLOCK_M`` consecutive query
+tokens of one request, and a program serves them for ``HEADS`` query heads of
+one KV head at once (GQA: every INT2 row is unpacked once for
+``BLOCK_M * HEADS`` query rows). Keys are visited in three ranges, so that only
+the last one pays for both precisions:
 
 * sink ``[0, S0)``: BF16 rows;
 * ``[S0, t_min - W]``: INT2 for every query of the tile;
@@ -30,7 +32,8 @@ from vllm_kvq.kernels.oscar.format import OscarFormat
 from vllm_kvq.kernels.oscar.triton_decode import softmax_step
 
 LOG2E = 1.4426950408889634
-BLOCK_M = 32
+BLOCK_M = 16  # query tokens per tile
+LAUNCH = {"rows": 64, "block_n": 64, "num_warps": 4}  # rows: query rows (tokens x heads) per program
 
 
 @triton.jit
@@ -99,14 +102,14 @@ def _scores(q0, q1, q2, q3, k0, k1, k2, k3):
 def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                    tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_f16, cache_bf16,
                    out_ptr, stride_ot, stride_oh,
-                   H, GROUP: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-                   SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
+                   H, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   KB: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
                    STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
-    hq = tl.program_id(1)
-    h = hq // GROUP
+    h = tl.program_id(1)
     D4: tl.constexpr = D // 4
+    QR: tl.constexpr = BLOCK_M * HEADS  # query rows: token-major, heads inside
     req = tl.load(tiles_ptr + tile * 5)
     tok0 = tl.load(tiles_ptr + tile * 5 + 1)
     nq = tl.load(tiles_ptr + tile * 5 + 2)
@@ -114,25 +117,27 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
     qstart = tl.load(tiles_ptr + tile * 5 + 4)
     row = bt_ptr + req.to(tl.int64) * bt_stride
 
-    mi = tl.arange(0, BLOCK_M)
-    qok = mi < nq
-    tok = tok0 + mi
+    r = tl.arange(0, QR)
+    gi = tl.program_id(2) * HEADS + r % HEADS
+    tok = tok0 + r // HEADS
+    qok = (r // HEADS < nq) & (gi < GROUP)
+    hq = h * GROUP + gi
     tpos = ctx + tok - qstart
     t_min = ctx + tok0 - qstart
     t_max = t_min + nq - 1
     d4 = tl.arange(0, D4)
-    qb = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + hq * stride_qh + d4[None, :]
+    qb = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh + d4[None, :]
     q0 = tl.load(qb, mask=qok[:, None], other=0.0).to(tl.float16)
     q1 = tl.load(qb + D4, mask=qok[:, None], other=0.0).to(tl.float16)
     q2 = tl.load(qb + 2 * D4, mask=qok[:, None], other=0.0).to(tl.float16)
     q3 = tl.load(qb + 3 * D4, mask=qok[:, None], other=0.0).to(tl.float16)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    a0 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a1 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a2 = tl.zeros([BLOCK_M, D4], tl.float32)
-    a3 = tl.zeros([BLOCK_M, D4], tl.float32)
+    m_i = tl.full([QR], float("-inf"), tl.float32)
+    l_i = tl.zeros([QR], tl.float32)
+    a0 = tl.zeros([QR, D4], tl.float32)
+    a1 = tl.zeros([QR, D4], tl.float32)
+    a2 = tl.zeros([QR, D4], tl.float32)
+    a3 = tl.zeros([QR, D4], tl.float32)
 
     # 1. sink: BF16
     sink_end = tl.minimum(SINK, t_max + 1)
@@ -199,7 +204,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         a3 += tl.dot(p_hi, v3)
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    ob = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + hq * stride_oh + d4[None, :]
+    ob = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh + d4[None, :]
     ty = out_ptr.dtype.element_ty
     tl.store(ob, (a0 * inv[:, None]).to(ty), mask=qok[:, None])
     tl.store(ob + D4, (a1 * inv[:, None]).to(ty), mask=qok[:, None])
@@ -225,9 +230,11 @@ def extend_attention(
     tiles: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    launch: dict | None = None,
 ) -> torch.Tensor:
     """Attention of chunk queries ``q [N, Hq, D]`` (rotated) with the chunk's
-    rotated keys ``k`` and values ``v [N, H, D]`` (bf16), into ``out``."""
+    rotated keys ``k`` and values ``v [N, H, D]`` (bf16), into ``out``.
+    ``launch``: rows, block_n, num_warps (default LAUNCH)."""
     hq, d = q.shape[1], q.shape[2]
     h = kv_cache.shape[1]
     if fmt.groups not in (1, 2):
@@ -235,13 +242,16 @@ def extend_attention(
     if tiles.shape[0] == 0:
         return out
     qs = (q.float() * (scale * LOG2E)).contiguous()
-    _extend_kernel[(tiles.shape[0], hq)](
+    lc = launch or LAUNCH
+    group = hq // h
+    heads = min(triton.next_power_of_2(group), max(1, lc["rows"] // BLOCK_M))
+    _extend_kernel[(tiles.shape[0], h, triton.cdiv(group, heads))](
         qs, qs.stride(0), qs.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         tiles, block_table, block_table.stride(0),
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16),
         out, out.stride(0), out.stride(1),
-        h, GROUP=hq // h, D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
-        RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        BLOCK_M=BLOCK_M, BLOCK_N=32,
+        h, GROUP=group, HEADS=heads, D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink,
+        WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
+        BLOCK_M=BLOCK_M, BLOCK_N=lc["block_n"], num_warps=lc["num_warps"],
     )
     return out
