@@ -215,6 +215,89 @@ def test_strided_state_cache_with_inactive_slots(fit):
     assert torch.equal(after[~touched], before[~touched])  # conv bytes, padding, inactive and null slots
 
 
+def _vllm_decode_inputs(mixed_qkv, a, b, a_log, dt_bias, hk, kd, hv, vd):
+    """q, k, v, g, beta as vLLM's packed GDN decode kernel forms them for an
+    FP32 state (fused_recurrent_gated_delta_rule_packed_decode), per value head."""
+    n = mixed_qkv.shape[0]
+    x = mixed_qkv.float()
+    q = x[:, : hk * kd].view(n, hk, kd)
+    k = x[:, hk * kd : 2 * hk * kd].view(n, hk, kd)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * kd**-0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    v = x[:, 2 * hk * kd :].view(n, hv, vd)
+    t = a.float() + dt_bias.float()
+    g = -torch.exp(a_log.float()) * torch.where(t <= 20, torch.log(1 + torch.exp(t)), t)
+    beta = torch.sigmoid(b.float())
+    return _expand(q, hv), _expand(k, hv), v, g, beta
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_cuda_decode_path_matches_staged_step(fit):
+    """``state_pool.packed_decode`` (what vLLM's CUDA decode batches run on the
+    pool: vLLM's bf16 mixed q/k/v after the conv, raw gates, the layer's bf16
+    output) against the staged path: decode the records, vLLM's decode math in
+    fp32, the reference codec's fit."""
+    from vllm_kvq.backends.state_pool import packed_decode
+
+    bits = (16, 6, 4, 2) if fit == "stepquant" else (8, 6, 4, 16)
+    hk, hv, kd, vd = 2, 4, 32, 32
+    slots = [3, 0, 1, 5]
+    n = len(slots)
+    gen = torch.Generator().manual_seed(31)
+    lay, w, rec, *_ = _inputs(bits, kd, vd, n, hk, seed=31, fit=fit)
+    mixed = (torch.randn(n, 2 * hk * kd + hv * vd, generator=gen) * 0.7).bfloat16()
+    a = torch.randn(n, hv, generator=gen).bfloat16()
+    b = torch.randn(n, hv, generator=gen).bfloat16()
+    a_log = torch.randn(hv, generator=gen) * 0.5
+    dt_bias = torch.randn(hv, generator=gen).bfloat16()
+    pages, records = _state_cache(lay, 6, gen)
+    for i, s in enumerate(slots):
+        if s > 0:
+            records[s] = rec[i]
+    before = pages.clone()
+    pages_dev = pages.to(DEV)
+    core_attn_out = torch.zeros(n + 2, hv, vd, dtype=torch.bfloat16, device=DEV)  # the layer's, padded
+    idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    plan = StepPlan(lay, w, DEV, fit)
+    packed_decode(pages_dev[:, 96 : 96 + lay.size], idx, plan, *[t.to(DEV) for t in (mixed, a, b, a_log, dt_bias)],
+                  hk, core_attn_out[:n])
+    live = [i for i, s in enumerate(slots) if s > 0]
+    q, k, v, g, beta = _vllm_decode_inputs(mixed[live], a[live], b[live], a_log, dt_bias, hk, kd, hv, vd)
+    o_want, r_want = ref.step(rec[live], lay, w, q, k, v, g, beta, fit=fit)
+    after = pages_dev.cpu()
+    assert_close_records(lay, r_want, after[:, 96 : 96 + lay.size][[slots[i] for i in live]])
+    out = core_attn_out.cpu().float()
+    assert torch.allclose(out[live], o_want.bfloat16().float(), rtol=2**-7, atol=1e-5 * o_want.abs().max())
+    assert out[[i for i in range(n + 2) if i not in live]].abs().max() == 0
+    touched = torch.zeros_like(before, dtype=torch.bool)
+    for i in live:
+        touched[slots[i], 96 : 96 + lay.size] = True
+    assert torch.equal(after[~touched], before[~touched])
+
+
+def test_cuda_decode_dispatch():
+    """Which batches the CUDA wrapper sends to the Triton step (vLLM's real metadata class)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from vllm_kvq.backends.state_pool import LayerPool, _is_decode_batch, decode_plan
+
+    def md(decodes, prefills):
+        return GDNAttentionMetadata(num_prefills=prefills, num_prefill_tokens=7 * prefills, num_decodes=decodes,
+                                    num_decode_tokens=decodes, num_spec_decodes=0, num_spec_decode_tokens=0,
+                                    num_actual_tokens=decodes + 7 * prefills)
+
+    assert _is_decode_batch(md(4, 0))
+    assert not _is_decode_batch(md(4, 1)) and not _is_decode_batch(md(0, 2))
+    lay = StateLayout((6, 16), 32, 32)
+    pool = LayerPool(lay, torch.ones(2, 32), "rowwise", torch.float32)
+    plan = decode_plan(pool, torch.device(DEV))
+    assert isinstance(plan, StepPlan) and plan.rowwise and decode_plan(pool, torch.device(DEV)) is plan
+    assert decode_plan(LayerPool(lay, torch.ones(2, 32), "stepquant", torch.float32, "reference"), DEV) is None
+    odd = LayerPool(StateLayout((6,), 48, 32), torch.ones(1, 48), "stepquant", torch.float32)
+    assert decode_plan(odd, torch.device(DEV)) is None  # K = 48: the kernel needs powers of two; stays staged
+
+
 def test_repeated_steps_stay_on_the_reference_trajectory():
     """Feed each side its own records for a few steps: rare code flips must not compound."""
     bits, kd, vd, n = (2, 6, 16), 32, 32, 2
