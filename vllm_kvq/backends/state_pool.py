@@ -355,7 +355,8 @@ def allocated_state_bytes(model) -> list[dict]:
     """Per GDN layer of a loaded vLLM model (for ``LLM.apply_model``): the
     recurrent state's per-slot shape and dtype, the bytes vLLM allocated per
     slot (the whole page: conv state, recurrent state, padding) and, for a
-    packed pool, this rank's head widths."""
+    packed pool, this rank's head widths and whether decode batches have run
+    the Triton step (``triton_decode``)."""
     out = []
     for module in model.modules():
         if hasattr(module, "_kvq_native_dtypes") and getattr(module, "kv_cache", None):
@@ -363,5 +364,6 @@ def allocated_state_bytes(model) -> list[dict]:
             pool = module.__dict__.get("_kvq_pool")
             out.append({"layer": module.layer_idx, "shape": list(ssm.shape[1:]), "dtype": str(ssm.dtype),
                         "page_bytes": conv.stride(0) * conv.element_size(),
-                        "bits": list(pool.layout.bits) if pool else None})
+                        "bits": list(pool.layout.bits) if pool else None,
+                        "triton_decode": bool(pool and pool.step_plan)})
     return out
