@@ -4,8 +4,8 @@ the same run.
 Per GDN layer at batch 512 (one decode token per request): house-qwen3next
 (4 value heads, 2 key heads) and a Qwen3.5-27B-like layer (48 value heads, 16
 key heads), K = V = 128, each with an @6 and an @4 width plan. The packed step
-is swept over its launch shapes (grouped by width / fused, exact / fast
-division, warps) and the best is compared with the best FP32 tiling. Bytes
+is swept over its launch shapes (exact / fast division, warps, register cap)
+and the best is compared with the best FP32 tiling. Bytes
 moved = state read + written, plus q, k, v, g, beta and out.
 
     python benchmarks/stepquant_kernels.py [--quick] [--json PATH]
@@ -41,9 +41,8 @@ SHAPES = {
     "qwen3.5-27b-like": (48, 16, {"@6": (6,) * 40 + (4,) * 4 + (8,) * 3 + (PIVOT,),
                                   "@4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (PIVOT,)}),
 }
-VARIANTS = [  # (launch, fast, num_warps, maxnreg), most wanted first (later ones skipped past --budget-s)
-    ("grouped", True, 8, None), ("grouped", True, 16, None), ("grouped", True, 8, 128), ("fused", True, 8, None),
-    ("grouped", False, 8, None), ("grouped", True, 16, 64), ("grouped", False, 16, None), ("fused", True, 16, None),
+VARIANTS = [  # (fast, num_warps, maxnreg), most wanted first (later ones skipped past --budget-s)
+    (True, 8, None), (True, 16, None), (True, 8, 128), (False, 8, None), (True, 16, 64), (False, 16, None),
 ]
 FP32_TILES = [(32, 4), (64, 4), (64, 8), (128, 8)]  # (BV, num_warps)
 SECTION = "## STEPQuant state update"
@@ -54,8 +53,10 @@ DESIGN = (
     " w²-weighted refit sum inside a thread and across warps, the row magnitudes over one warp, and the codes of a"
     " byte (of a 6-bit 24-bit word) are unpacked and packed inside one thread. No float/int conversions (codes"
     " and levels go through the mantissa of 1.5 * 2^23), records rewritten in place, no scratch and no host work"
-    " (the same launch replays from a CUDA graph). Heads are launched per width (the width a constexpr) or in one"
-    " launch with the width as a runtime branch."
+    " (the same launch replays from a CUDA graph). One launch per width present in the layer (the width a"
+    " constexpr). Records may sit at any even slot stride (inside vLLM's hybrid pages), and the fit is the"
+    " pool's: the dual-axis STEPQuant fit or the uniform pool's rowwise absmax. vLLM's CUDA decode batches run"
+    " this step on the pool in place (`backends/state_pool.py`)."
 )
 NOTES: list[str] = [  # findings of the measured run
     "**Short of target.** On the H200 (Triton 3.6) the fused packed step is 6.4x *slower* than the FP32 update for"
@@ -68,10 +69,10 @@ NOTES: list[str] = [  # findings of the measured run
     " (0.12x), @4 3.34 ms (0.24x); without the fit 1.45 / 0.96 ms. The 6-bit and 8-bit programs spill (255"
     " registers at 8 warps) on Triton 3.6; getting under ~128 registers without spills, or splitting the fit off"
     " the critical path as the paper does, is the open work.",
-    "Correctness on the H200: `tests/kernels/test_stepquant_triton.py` with `STEPQUANT_REAL_SHAPES=1` passed 14 of"
-    " 16; the fused launch (one kernel, width as a runtime branch, fast path) failed the one-step bound on both"
-    " 48-head shapes (worst element 2.4 steps off). Grouped launches, exact and fast, matched the reference"
-    " (house shapes: out within 2e-7, records byte-equal). Use `launch='grouped'` until that is found.",
+    "Correctness on the H200: launches per width, exact and fast, matched the reference (house shapes: out within"
+    " 2e-7, records byte-equal; 48 heads: 1e-5 of record bytes differ, at rounding boundaries). A single launch"
+    " for all widths (the width a runtime branch) was measured too, was no faster and failed the one-step bound"
+    " at 48 heads (2.4 steps; not reproducible in Triton's interpreter); it was removed.",
 ]
 
 
@@ -121,13 +122,13 @@ def bench_packed(bits: tuple, h: int, hk: int, gen, ms_fp32: float, deadline: fl
              "record_bytes_differing": float((r_got != r_want).float().mean())}
 
     rows = []
-    for launch, fast, nw, mr in VARIANTS:
-        head = {"launch": launch, "fast": fast, "num_warps": nw, "maxnreg": mr}
-        if rows and time.monotonic() > deadline and (launch, fast, mr) != ("grouped", False, None):
+    for fast, nw, mr in VARIANTS:
+        head = {"fast": fast, "num_warps": nw, "maxnreg": mr}
+        if rows and time.monotonic() > deadline and (fast, mr) != (False, None):
             rows.append({**head, "error": "skipped (time budget)"})
             continue
-        fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=launch, fast=fast,  # noqa: E731
-                              num_warps=nw, maxnreg=mr)
+        fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, fast=fast, num_warps=nw,  # noqa: E731
+                              maxnreg=mr)
         try:
             ms = do_bench(fn, warmup=10, rep=60)
         except Exception as e:  # noqa: BLE001 - an out-of-resources launch is a result too
@@ -142,14 +143,13 @@ def bench_packed(bits: tuple, h: int, hk: int, gen, ms_fp32: float, deadline: fl
     best_exact = min((r for r in ok if not r["fast"]), key=lambda r: r["ms"], default=best)
 
     # the fit's share: the same launch stopping after the readout
-    ms_readout = do_bench(lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=best["launch"],
-                                           fast=best["fast"], num_warps=best["num_warps"], maxnreg=best["maxnreg"],
-                                           fit=False),
+    ms_readout = do_bench(lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, fast=best["fast"],
+                                           num_warps=best["num_warps"], maxnreg=best["maxnreg"], readout_only=True),
                           warmup=10, rep=60)
     print(f"readout only {ms_readout:.3f} ms", flush=True)
 
     # the best launch replayed from a CUDA graph (no host work inside the step)
-    fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, launch=best["launch"], fast=best["fast"],  # noqa: E731
+    fn = lambda: ts.step_(pool, idx, plan, q, k, v, g, beta, out, fast=best["fast"],  # noqa: E731
                           num_warps=best["num_warps"], maxnreg=best["maxnreg"])
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -200,11 +200,11 @@ def compile_job(index: int) -> None:
         state = torch.zeros(3, 16, KD, VD, device=DEV)
         fp32_step_(state, idx, q, k, v, g, beta, block_v=bv, num_warps=nw)
     else:
-        launch, fast, nw, mr = VARIANTS[i]
+        fast, nw, mr = VARIANTS[i]
         lay = StateLayout((2, 4, 6, 8, PIVOT) * 3 + (6,), KD, VD)
         plan = ts.StepPlan(lay, torch.ones(16, KD, device=DEV), DEV)
         pool = torch.zeros(3, lay.size, dtype=torch.uint8, device=DEV)
-        ts.step_(pool, idx, plan, q, k, v, g, beta, launch=launch, fast=fast, num_warps=nw, maxnreg=mr, fit=fit)
+        ts.step_(pool, idx, plan, q, k, v, g, beta, fast=fast, num_warps=nw, maxnreg=mr, readout_only=not fit)
     torch.cuda.synchronize()
 
 
@@ -232,7 +232,7 @@ def render(res: dict) -> str:
         f = r["fp32"]["best"]
         for plan, p in r["plans"].items():
             b, e = p["best"], p["best_exact"]
-            launch = f"{b['launch']}, {'fast' if b['fast'] else 'exact'}, {b['num_warps']} warps"
+            launch = f"{'fast' if b['fast'] else 'exact'}, {b['num_warps']} warps"
             launch += f", <= {b['maxnreg']} regs" if b.get("maxnreg") else ""
             lines.append(
                 f"| {name} ({r['heads']}/{r['key_heads']} heads) | {plan} ({p['bits_per_value']:.2f}) | {f['ms']:.3f} |"
@@ -240,14 +240,15 @@ def render(res: dict) -> str:
                 f" {e['ms']:.3f} ({e['speedup']:.2f}x) | {p['graph_ms']:.3f} | {p['readout_only_ms']:.3f} |"
                 f" {p['bytes_moved'] / bw / 1e6:.3f} |")
     lines += ["", DESIGN] + (["", *NOTES] if NOTES else [])
-    lines += ["", "Launch shapes of the packed step (ms; grouped = one launch per width, fused = one launch with the"
-              " width as a runtime branch; fast/exact as above; w = warps per program, r = register cap):", "",
-              "| layer | plan | " + " | ".join(f"{l} {'fast' if f else 'exact'} w{w}" + (f" r{m}" if m else "")
-                                            for l, f, w, m in VARIANTS) + " |",
+    lines += ["", "Launch shapes of the packed step (ms; fast/exact as above; w = warps per program, r = register"
+              " cap):", "",
+              "| layer | plan | " + " | ".join(f"{'fast' if f else 'exact'} w{w}" + (f" r{m}" if m else "")
+                                            for f, w, m in VARIANTS) + " |",
               "|---|---|" + "---|" * len(VARIANTS)]
     for name, r in res["shapes"].items():
         for plan, p in r["plans"].items():
-            cells = {(v["launch"], v["fast"], v["num_warps"], v.get("maxnreg")): v for v in p["variants"]}
+            cells = {(v["fast"], v["num_warps"], v.get("maxnreg")): v for v in p["variants"]
+                     if v.get("launch", "grouped") == "grouped"}  # results before the single launch was removed
             row = [f"{cells[k]['ms']:.3f}" if "ms" in cells.get(k, {}) else "-" for k in VARIANTS]
             lines.append(f"| {name} | {plan} | " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"

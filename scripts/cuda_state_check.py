@@ -3,31 +3,52 @@
 vLLM's CUDA build here has no MoE kernels, so the model is a dense
 Qwen3.5-style text model (house-qwen3next's shape: 3 GDN layers per full
 attention layer, 4 value heads of 128 x 128) with random weights: tokens are
-meaningless, but they are deterministic, so the staged path can be compared
+meaningless, but they are deterministic, so the packed pools can be compared
 with vLLM's own FP32 states token for token.
 
-1. ``check``: random prompts, greedy; FP32 states vs the FP16 pool and vs
-   uniform INT6. Random weights make nearly every step a near tie,
-   so the check is on log-probabilities: up to each prompt's first differing
-   token, the FP16 pool's must be within 0.01 of FP32's on average.
-2. ``speed``: a larger one (16 value heads of 128 x 128 per GDN layer), many requests decoding at once; decode
-   tokens/s with FP32 states against the INT6 pool.
+On CUDA, decode batches run the fused STEPQuant Triton step on the pool in
+place; ``kvq.kernels: "reference"`` keeps them staged (unpack, vLLM's own
+ops, refit with the reference codec), as prefill always is. Variants ending
+in ``_staged`` run that way, the others through the Triton step; every engine
+reports which path its decode batches took, and a mismatch is listed under
+``problems``.
 
-Each engine runs in its own process. Results: ``$OUT/cuda_state_check.json``.
+1. ``check``: random prompts, greedy, with log-probabilities. FP32 states
+   against the FP16 pool, uniform INT6, and a synthetic STEPQuant plan (mixed
+   widths 2-8 and FP16 pivots, random impacts) through the Triton step and
+   staged. Random weights make nearly every step a near tie, so the check is
+   on log-probabilities up to each prompt's first differing token: the FP16
+   pool's must be within 0.01 of FP32's on average, and the Triton step's
+   within 0.01 of the staged path's on the same plan.
+2. ``speed``: a larger model (16 value heads of 128 x 128 per GDN layer), 256
+   requests decoding at once (eager): tokens/s with FP32 states, the INT6
+   pool through the Triton step, and staged. ``tok_s`` is the whole
+   generate call (prefill included), ``decode_tok_s`` the decode part only
+   (approximately: the same prompts with one output token, timed just before,
+   subtracted).
+
+Each engine runs in its own process with its own time limit, in order of
+importance; a failed engine is reported (error and log tail; full log in
+``$OUT/state_<step>_<name>.log``) and the others still run; jobs that would start
+past ``--budget-s`` are skipped. Results: ``$OUT/cuda_state_check.json``,
+rewritten after every engine.
+
+    python scripts/cuda_state_check.py [check] [speed] [--budget-s 540]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 OUT = Path(os.environ.get("OUT", "/tmp/kvq_out"))
 TIE = 0.25
-
 SMALL = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "dtype": "bfloat16",
     "hidden_size": 512, "intermediate_size": 768, "num_hidden_layers": 8, "head_dim": 128,
@@ -43,6 +64,27 @@ SMALL = {
 LARGE = {**SMALL, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
          "num_key_value_heads": 4, "linear_num_key_heads": 4, "linear_num_value_heads": 16,
          "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 4, "vocab_size": 32000}
+# Synthetic STEPQuant widths per GDN layer of SMALL (4 value heads), cycled over its layers: every width and
+# FP16 pivots (16), within the budget (a pivot counts as 8 bits).
+PLAN_WIDTHS = {6: [(16, 6, 4, 2), (8, 6, 6, 4), (2, 8, 6, 8)], 4: [(16, 4, 2, 2), (6, 4, 4, 2), (4, 4, 4, 4)]}
+STAGED = {"kernels": "reference"}
+
+CHECK = dict(model="small", mem=0.2, max_len=2048, batch=16, requests=16, prompt_len=400, gen=32, logprobs=True,
+             timeout=240)
+SPEED = dict(model="large", mem=0.5, max_len=1024, batch=256, requests=256, prompt_len=256, gen=64, logprobs=False,
+             timeout=240)
+# (step, name, kvq settings or None for FP32 states, expected decode path); most important first
+JOBS = [
+    ("check", "fp32_state", None, None),
+    ("check", "fp16_pool", {"state": "uniform", "state_bits": 16}, "triton"),
+    ("check", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
+    ("speed", "fp32_state", None, None),
+    ("speed", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
+    ("check", "stepquant_mixed", {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}, "triton"),
+    ("check", "stepquant_mixed_staged",
+     {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", **STAGED}, "staged"),
+    ("speed", "uniform_int6_staged", {"state": "uniform", "state_bits": 6, **STAGED}, "staged"),
+]
 
 
 def model_dir(cfg: dict, name: str, weights: bool = False) -> str:
@@ -63,46 +105,106 @@ def model_dir(cfg: dict, name: str, weights: bool = False) -> str:
     return str(path)
 
 
+def synthetic_plan(cfg: dict, path: Path) -> str:
+    """A STEPQuant plan artifact for ``cfg`` with the widths of PLAN_WIDTHS and
+    random impacts (geometric mean 1 per head): it exercises every width, the
+    pivots and the impact-weighted fit; it is not a calibrated plan."""
+    import torch
+
+    from vllm_kvq.artifacts.fingerprint import gdn_layers, model_fingerprint
+    from vllm_kvq.artifacts.stepquant import StepQuantPlan
+
+    hf = types.SimpleNamespace(**cfg)
+    layers = gdn_layers(hf)
+    hv, kd = cfg["linear_num_value_heads"], cfg["linear_key_head_dim"]
+    gen = torch.Generator().manual_seed(0)
+    impacts = {}
+    for layer in layers:
+        w = torch.exp(torch.randn(hv, kd, generator=gen) * 0.4)
+        impacts[layer] = w / w.log().mean(-1, keepdim=True).exp()
+    bits = {b: {layer: widths[i % len(widths)] for i, layer in enumerate(layers)} for b, widths in PLAN_WIDTHS.items()}
+    StepQuantPlan(fingerprint=model_fingerprint(hf), layers=layers, num_v_heads=hv, k_dim=kd,
+                  v_dim=cfg["linear_value_head_dim"], budgets=sorted(PLAN_WIDTHS, reverse=True), bits=bits,
+                  impacts=impacts, num_k_heads=cfg["linear_num_key_heads"],
+                  provenance={"note": "synthetic widths and impacts for the CUDA state check"}).save(path)
+    return str(path)
+
+
 def engine(job: dict) -> dict:
     import vllm_kvq
 
     vllm_kvq.register()
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    from vllm_kvq.backends.state_pool import allocated_state_bytes
 
     # the bundle has no FlashInfer: vLLM's Triton GDN prefill
     extra = {"gdn_prefill_backend": "triton"}
     kw = {"additional_config": {**extra, "kvq": job["kvq"]} if job["kvq"] else extra}
     fmt = "auto" if (Path(job["model"]) / "model.safetensors").exists() else "dummy"
-    llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16", attention_backend="TRITON_ATTN",
-              mamba_ssm_cache_dtype="float32", enforce_eager=True, gpu_memory_utilization=job["mem"],
-              max_model_len=job["max_len"], max_num_seqs=job["batch"], enable_prefix_caching=False, seed=0, **kw)
-    g = __import__("torch").Generator().manual_seed(0)
-    import torch
-
+    llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16",
+              attention_backend="TRITON_ATTN", mamba_ssm_cache_dtype="float32", enforce_eager=True,
+              gpu_memory_utilization=job["mem"], max_model_len=job["max_len"], max_num_seqs=job["batch"],
+              enable_prefix_caching=False, seed=0, **kw)
+    g = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, 8000, (job["prompt_len"],), generator=g).tolist())
                for _ in range(job["requests"])]
     params = SamplingParams(max_tokens=job["gen"], temperature=0, logprobs=2 if job["logprobs"] else None,
                             ignore_eos=True, detokenize=False)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, detokenize=False), use_tqdm=False)  # warm-up, compiles
+    res = {}
+    if not job["logprobs"]:  # the prefill's share: the same prompts, one output token
+        t = time.time()
+        llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)
+        res["prefill_wall_s"] = time.time() - t
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.time() - t
-    res = {"wall_s": wall, "tokens": [o.outputs[0].token_ids for o in outs],
-           "tok_s": job["requests"] * job["gen"] / wall}
+    res.update(wall_s=wall, tokens=[list(o.outputs[0].token_ids) for o in outs],
+               tok_s=job["requests"] * job["gen"] / wall)
+    if "prefill_wall_s" in res and wall > res["prefill_wall_s"]:
+        res["decode_tok_s"] = job["requests"] * (job["gen"] - 1) / (wall - res["prefill_wall_s"])
     if job["logprobs"]:
         res["logprobs"] = [[{int(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
                            for o in outs]
+    layers = llm.apply_model(allocated_state_bytes)[0]
+    packed = [x for x in layers if x["bits"] is not None]
+    if packed:
+        used = {bool(x["triton_decode"]) for x in packed}
+        res["decode_path"] = "mixed" if len(used) > 1 else ("triton" if used.pop() else "staged")
+    res["state_page_bytes"] = sum(x["page_bytes"] for x in layers)
     return res
 
 
-def run(job: dict) -> dict:
-    path = OUT / f"job_{abs(hash(json.dumps(job, sort_keys=True)))}.json"
-    env = dict(os.environ, KVQ_STATE_JOB=json.dumps(job), KVQ_STATE_OUT=str(path))
-    subprocess.run([sys.executable, __file__, "--engine"], env=env, check=True)
-    res = json.loads(path.read_text())
-    path.unlink()
-    return res
+def run(name: str, job: dict) -> dict:
+    """One engine in its own process; a failure or timeout comes back as ``error``."""
+    path = OUT / f"state_{name}.json"
+    log = OUT / f"state_{name}.log"
+    path.unlink(missing_ok=True)
+    env = dict(os.environ, KVQ_STATE_JOB=json.dumps(job), KVQ_STATE_OUT=str(path),
+               VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # apply_model ships a function
+    t = time.time()
+    with log.open("w") as f:
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--engine"], env=env, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=job["timeout"])
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    took = time.time() - t
+    if rc == 0 and path.exists():
+        res = json.loads(path.read_text())
+        path.unlink()
+        res["engine_s"] = took
+        return res
+    tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-25:]
+    why = f"timed out after {job['timeout']} s" if rc == "timeout" else f"exit code {rc}"
+    at = next((i for i in range(len(tail) - 1, -1, -1) if "Error" in tail[i] or "Exception" in tail[i]), None)
+    last = "" if at is None else " ".join(line.strip() for line in tail[at : at + 2])
+    return {"error": f"engine {why}: {last[:300]} (log: {log})", "log_tail": tail, "engine_s": took}
 
 
 def compare(got: dict, ref: dict) -> dict:
@@ -121,31 +223,104 @@ def compare(got: dict, ref: dict) -> dict:
             "dlogprob_mean": sum(diffs) / max(len(diffs), 1), "dlogprob_max": max(diffs, default=0.0)}
 
 
+def summarize(report: dict, results: dict) -> None:
+    """Comparisons, speed ratios and the verdict from the engines run so far."""
+    check, speed = report.get("check"), report.get("speed")
+    problems = report["problems"] = []
+    for (step, name), r in results.items():
+        want = next(e for s, n, _, e in JOBS if (s, n) == (step, name))
+        if "error" in r:
+            problems.append(f"{step} {name}: {r['error']}")
+        elif r.get("decode_path") != want:
+            problems.append(f"{step} {name}: decode path {r.get('decode_path')!r}, expected {want!r}")
+    if check is not None:
+        ref = results.get(("check", "fp32_state"), {})
+        for (step, name), r in results.items():
+            if step != "check":
+                continue
+            entry = check[name] = {k: r[k] for k in ("decode_path", "state_page_bytes", "engine_s", "error") if k in r}
+            if "error" in r or name == "fp32_state":
+                continue
+            if "tokens" in ref:
+                entry["vs_fp32"] = compare(r, ref)
+            twin = results.get(("check", name + "_staged"))
+            if twin and "tokens" in twin:
+                entry["vs_staged"] = compare(r, twin)
+        verdict = {}
+        if "vs_fp32" in check.get("fp16_pool", {}):
+            verdict["fp16_pool_matches_fp32"] = check["fp16_pool"]["vs_fp32"]["dlogprob_mean"] < 0.01
+        if "vs_staged" in check.get("stepquant_mixed", {}):
+            verdict["triton_decode_matches_staged"] = check["stepquant_mixed"]["vs_staged"]["dlogprob_mean"] < 0.01
+        check["ok"] = bool(verdict) and all(verdict.values()) and not any(p.startswith("check") for p in problems)
+        check["verdict"] = verdict
+    if speed is not None:
+        base = results.get(("speed", "fp32_state"), {})
+        for (step, name), r in results.items():
+            if step != "speed":
+                continue
+            keys = ("tok_s", "decode_tok_s", "wall_s", "prefill_wall_s", "decode_path", "state_page_bytes",
+                    "engine_s", "error")
+            entry = speed[name] = {k: r[k] for k in keys if k in r}
+            twin = results.get(("speed", name + "_staged"), {})
+            for k in ("tok_s", "decode_tok_s"):
+                if name != "fp32_state" and k in r and k in base:
+                    entry[f"{k}_vs_fp32"] = r[k] / base[k]
+                if k in r and k in twin:
+                    entry[f"{k}_vs_staged"] = r[k] / twin[k]
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("steps", nargs="*", choices=["check", "speed"], help="default: both")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no engine past this many seconds")
+    args = ap.parse_args()
+    steps = args.steps or ["check", "speed"]
     OUT.mkdir(parents=True, exist_ok=True)
-    steps = sys.argv[1:] or ["check", "speed"]
-    report = {}
+    start = time.time()
+    report: dict = {}
     if "check" in steps:
-        small = model_dir(SMALL, "kvq_gdn_small", weights=True)
-        base = dict(model=small, mem=0.2, max_len=2048, batch=16, requests=16, prompt_len=400, gen=32, logprobs=True)
-        ref = run({**base, "kvq": None})
-        report["check"] = {}
-        for name, kvq in (("fp16_pool", {"state": "uniform", "state_bits": 16}),
-                          ("uniform_int6", {"state": "uniform", "state_bits": 6})):
-            report["check"][name] = compare(run({**base, "kvq": kvq}), ref)
-            print(name, report["check"][name], flush=True)
-        report["check"]["ok"] = report["check"]["fp16_pool"]["dlogprob_mean"] < 0.01
+        report["check"] = {"config": {k: SMALL[k] for k in ("hidden_size", "num_hidden_layers",
+                                                             "linear_num_value_heads")},
+                           **{k: CHECK[k] for k in ("requests", "prompt_len", "gen")},
+                           "stepquant_mixed_widths_at_6": ["/".join(map(str, w)) for w in PLAN_WIDTHS[6]]}
     if "speed" in steps:
-        large = model_dir(LARGE, "kvq_gdn_large")
-        base = dict(model=large, mem=0.5, max_len=1024, batch=256, requests=256, prompt_len=256, gen=64, logprobs=False)
-        report["speed"] = {"config": {k: LARGE[k] for k in ("hidden_size", "num_hidden_layers", "linear_num_value_heads")},
-                           **{k: base[k] for k in ("requests", "prompt_len", "gen")}}
-        for name, kvq in (("fp32_state", None), ("uniform_int6", {"state": "uniform", "state_bits": 6})):
-            r = run({**base, "kvq": kvq})
-            report["speed"][name] = {"tok_s": r["tok_s"], "wall_s": r["wall_s"]}
-            print(name, report["speed"][name], flush=True)
-    (OUT / "cuda_state_check.json").write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps(report, indent=1))
+        report["speed"] = {"config": {k: LARGE[k] for k in ("hidden_size", "num_hidden_layers",
+                                                             "linear_num_value_heads")},
+                           **{k: SPEED[k] for k in ("requests", "prompt_len", "gen")}}
+    models, results = {}, {}
+    out = OUT / "cuda_state_check.json"
+    for step, name, kvq, _ in JOBS:
+        if step not in steps:
+            continue
+        base = CHECK if step == "check" else SPEED
+        left = args.budget_s - (time.time() - start)
+        if left < 90:
+            results[(step, name)] = {"error": f"skipped ({left:.0f} s of the time budget left)"}
+            continue
+        try:
+            if base["model"] not in models:
+                models[base["model"]] = (model_dir(SMALL, "kvq_gdn_small", weights=True) if base["model"] == "small"
+                                         else model_dir(LARGE, "kvq_gdn_large"))
+            if kvq and kvq.get("state_artifact") == "PLAN":
+                if "plan" not in models:
+                    models["plan"] = synthetic_plan(SMALL, Path("/tmp") / "kvq_gdn_small_plan")
+                kvq = {**kvq, "state_artifact": models["plan"]}
+        except Exception as e:  # noqa: BLE001 - reported, the other engines still run
+            results[(step, name)] = {"error": f"setup failed: {e!r}"}
+            print(step, name, results[(step, name)]["error"], flush=True)
+            continue
+        job = {**base, "model": models[base["model"]], "kvq": kvq,
+               "timeout": min(base["timeout"], int(left) - 10)}
+        r = results[(step, name)] = run(f"{step}_{name}", job)
+        shown = {k: v for k, v in r.items() if k not in ("tokens", "logprobs", "log_tail")}
+        print(step, name, json.dumps(shown), flush=True)
+        if "log_tail" in r:
+            print("\n".join(r["log_tail"]), flush=True)
+        summarize(report, results)
+        out.write_text(json.dumps(report, indent=1) + "\n")
+    summarize(report, results)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print("problems:", report["problems"] or "none", flush=True)
 
 
 if __name__ == "__main__":

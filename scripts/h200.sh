@@ -4,23 +4,29 @@
 # scripts/pack_for_gpu.py in .device-carry/house-qwen3). Results: $OUT.
 # Steps, all by default, or the ones named: bash scripts/h200.sh check e2e
 #   tests  the Triton kernel tests at serving shapes, compiled (~2 min);
+#   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
 #   check  the CUDA check in real vLLM, scripts/cuda_check.py (~3 min);
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
-#   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (~5 min);
+#   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (<= 9 min: it stops
+#          starting engines after 520 s; Triton decode vs staged vs FP32 states);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
-#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~3 min).
+#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
-steps=" ${*:-tests bench check e2e state fp8 calib} "
+steps=" ${*:-tests statetests bench check e2e state fp8 calib} "
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [[ $steps == *" tests "* ]]; then
   OSCAR_REAL_SHAPES=1 timeout 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_oscar_triton.py \
     > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
+fi
+if [[ $steps == *" statetests "* ]]; then
+  STEPQUANT_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
+    > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"; tail -15 "$OUT/stepquant_tests.log"
 fi
 if [[ $steps == *" bench "* ]]; then
   timeout 300 python3 benchmarks/oscar_kernels.py 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
@@ -34,7 +40,8 @@ if [[ $steps == *" e2e "* ]]; then
     --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
 fi
 if [[ $steps == *" state "* ]]; then
-  timeout 420 python3 scripts/cuda_state_check.py > "$OUT/cuda_state_check.log" 2>&1; echo "state check rc=$?"
+  timeout 570 python3 scripts/cuda_state_check.py --budget-s 520 > "$OUT/cuda_state_check.log" 2>&1
+  echo "state check rc=$?"; tail -60 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
 if [[ $steps == *" fp8 "* ]]; then

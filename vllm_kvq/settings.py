@@ -54,7 +54,9 @@ class OscarSettings:
     kernels: str = "auto"
     """``auto``: Triton on CUDA, the PyTorch reference elsewhere. ``reference``:
     the reference everywhere (slow; for debugging). ``triton``: Triton
-    everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests)."""
+    everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests). For the
+    ``state`` pool on CUDA: decode steps run the fused STEPQuant step unless
+    this is ``reference`` (staged through vLLM's own ops, as prefill always is)."""
 
     scheme: str = "oscar"
     """``oscar``: rows quantized per token (keys after rotation). ``kivi``: keys

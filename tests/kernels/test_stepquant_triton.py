@@ -49,7 +49,7 @@ def _ids(s):
     return f"H{len(s[0])}-K{s[1]}-V{s[2]}"
 
 
-def _inputs(bits, kd, vd, n, hk, seed=0, zero_state=False):
+def _inputs(bits, kd, vd, n, hk, seed=0, zero_state=False, fit="stepquant"):
     gen = torch.Generator().manual_seed(seed)
     h = len(bits)
     lay = StateLayout(bits, kd, vd)
@@ -58,7 +58,7 @@ def _inputs(bits, kd, vd, n, hk, seed=0, zero_state=False):
     rows = torch.rand(1, h, kd, 1, generator=gen) * 3 + 0.05
     cols = torch.rand(1, h, 1, vd, generator=gen) * 2 + 0.05
     x = torch.randn(n, h, kd, vd, generator=gen) * rows * cols
-    rec = torch.zeros(n, lay.size, dtype=torch.uint8) if zero_state else ref.encode(x, lay, w)
+    rec = torch.zeros(n, lay.size, dtype=torch.uint8) if zero_state else ref.encode(x, lay, w, fit)
     q = torch.nn.functional.normalize(torch.randn(n, hk, kd, generator=gen), dim=-1) * kd**-0.5
     k = torch.nn.functional.normalize(torch.randn(n, hk, kd, generator=gen), dim=-1)
     v = torch.randn(n, h, vd, generator=gen) * 2
@@ -87,9 +87,14 @@ def _steps(lay, rec):
 
 def assert_close_step(lay, want, got, max_frac=0.01, max_byte_frac=0.005):
     (o_want, r_want), (o_got, r_got) = want, got
-    o_got, r_got = o_got.cpu(), r_got.cpu()
+    o_got = o_got.cpu()
     scale = o_want.abs().max().item() + 1e-6
     assert (o_got - o_want).abs().max().item() <= 1e-5 * scale
+    assert_close_records(lay, r_want, r_got, max_frac, max_byte_frac)
+
+
+def assert_close_records(lay, r_want, r_got, max_frac=0.01, max_byte_frac=0.005):
+    r_got = r_got.cpu()
     d_want, d_got = ref.decode(r_want, lay), ref.decode(r_got, lay)
     diff = (d_got - d_want).abs()
     step_size = torch.maximum(_steps(lay, r_want), _steps(lay, r_got))
@@ -103,14 +108,14 @@ def assert_close_step(lay, want, got, max_frac=0.01, max_byte_frac=0.005):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
-@pytest.mark.parametrize("launch,fast", [("grouped", False), ("fused", True)])
-def test_step_matches_reference(shape, launch, fast):
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_step_matches_reference(shape, fast):
     bits, kd, vd, n, hk = shape
     lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk)
     h = len(bits)
     want = ref.step(rec, lay, w, _expand(q, h), _expand(k, h), v, g, beta)
     dev = [t.to(DEV) for t in (rec, q, k, v, g, beta)]
-    got = step(dev[0], lay, w, *dev[1:], launch=launch, fast=fast)
+    got = step(dev[0], lay, w, *dev[1:], fast=fast)
     assert_close_step(lay, want, got)
 
 
@@ -149,6 +154,148 @@ def test_pool_in_place_with_padding_slots():
     assert out[dead].abs().max() == 0
     for s in (0, 2, 4):
         assert torch.equal(after[s], before[s])
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_rowwise_fit_matches_reference(fast):
+    """The uniform pool's fit (one absmax row scale, unit column scales)."""
+    bits, kd, vd, n, hk = (8, 6, 4, 16, 6), 32, 64, 3, 1
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=9, fit="rowwise")
+    h = len(bits)
+    want = ref.step(rec, lay, w, _expand(q, h), _expand(k, h), v, g, beta, fit="rowwise")
+    dev = [t.to(DEV) for t in (rec, q, k, v, g, beta)]
+    assert_close_step(lay, want, step(dev[0], lay, w, *dev[1:], fit="rowwise", fast=fast))
+    with pytest.raises(ValueError, match="INT2"):
+        StepPlan(StateLayout((2, 4), kd, vd), w[:2], DEV, fit="rowwise")
+
+
+def _state_cache(lay, num_slots, gen, conv_bytes=96, pad=32):
+    """Pages as vLLM binds a GDN layer's state cache: per slot the conv state,
+    then the record, then padding up to the page size; returns the pages and
+    the records' view ``[slots, size]`` (slot stride = page, not the record)."""
+    page = conv_bytes + lay.size + pad
+    pages = torch.randint(0, 256, (num_slots, page), dtype=torch.uint8, generator=gen)
+    return pages, pages[:, conv_bytes : conv_bytes + lay.size]
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_strided_state_cache_with_inactive_slots(fit):
+    """Records inside vLLM-like pages (slot stride > record size), slot indices
+    read from a column of a block table, some requests padded: active slots
+    get the reference step, every other byte of the cache stays as it was."""
+    bits = (2, 4, 6, 8, 16) if fit == "stepquant" else (4, 6, 8, 16, 6)
+    kd = vd = 32
+    slots = [5, 0, 2, -1, 6]  # 0: vLLM's null slot, -1: padding
+    n = len(slots)
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 5, seed=21, fit=fit)
+    gen = torch.Generator().manual_seed(22)
+    pages, records = _state_cache(lay, 8, gen)
+    for i, s in enumerate(slots):
+        if s > 0:
+            records[s] = rec[i]
+    table = torch.randint(1, 8, (n, 3), dtype=torch.int32, generator=gen)
+    table[:, 0] = torch.tensor(slots, dtype=torch.int32)
+    before = pages.clone()
+    pages_dev = pages.to(DEV)
+    conv_bytes = 96
+    records_dev = pages_dev[:, conv_bytes : conv_bytes + lay.size]
+    assert not records_dev.is_contiguous() and records_dev.stride(0) > lay.size
+    out = step_(records_dev, table.to(DEV)[:, 0], StepPlan(lay, w, DEV, fit),
+                *[t.to(DEV) for t in (q, k, v, g, beta)]).cpu()
+    live = [i for i, s in enumerate(slots) if s > 0]
+    want = ref.step(rec[live], lay, w, _expand(q[live], len(bits)), _expand(k[live], len(bits)), v[live], g[live],
+                    beta[live], fit=fit)
+    after = pages_dev.cpu()
+    got_records = after[:, conv_bytes : conv_bytes + lay.size][[slots[i] for i in live]]
+    assert_close_step(lay, want, (out[live], got_records))
+    assert out[[i for i in range(n) if slots[i] <= 0]].abs().max() == 0
+    touched = torch.zeros_like(before, dtype=torch.bool)
+    for i in live:
+        touched[slots[i], conv_bytes : conv_bytes + lay.size] = True
+    assert torch.equal(after[~touched], before[~touched])  # conv bytes, padding, inactive and null slots
+
+
+def _vllm_decode_inputs(mixed_qkv, a, b, a_log, dt_bias, hk, kd, hv, vd):
+    """q, k, v, g, beta as vLLM's packed GDN decode kernel forms them for an
+    FP32 state (fused_recurrent_gated_delta_rule_packed_decode), per value head."""
+    n = mixed_qkv.shape[0]
+    x = mixed_qkv.float()
+    q = x[:, : hk * kd].view(n, hk, kd)
+    k = x[:, hk * kd : 2 * hk * kd].view(n, hk, kd)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * kd**-0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    v = x[:, 2 * hk * kd :].view(n, hv, vd)
+    t = a.float() + dt_bias.float()
+    g = -torch.exp(a_log.float()) * torch.where(t <= 20, torch.log(1 + torch.exp(t)), t)
+    beta = torch.sigmoid(b.float())
+    return _expand(q, hv), _expand(k, hv), v, g, beta
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_cuda_decode_path_matches_staged_step(fit):
+    """``state_pool.packed_decode`` (what vLLM's CUDA decode batches run on the
+    pool: vLLM's bf16 mixed q/k/v after the conv, raw gates, the layer's bf16
+    output) against the staged path: decode the records, vLLM's decode math in
+    fp32, the reference codec's fit."""
+    from vllm_kvq.backends.state_pool import packed_decode
+
+    bits = (16, 6, 4, 2) if fit == "stepquant" else (8, 6, 4, 16)
+    hk, hv, kd, vd = 2, 4, 32, 32
+    slots = [3, 0, 1, 5]
+    n = len(slots)
+    gen = torch.Generator().manual_seed(31)
+    lay, w, rec, *_ = _inputs(bits, kd, vd, n, hk, seed=31, fit=fit)
+    mixed = (torch.randn(n, 2 * hk * kd + hv * vd, generator=gen) * 0.7).bfloat16()
+    a = torch.randn(n, hv, generator=gen).bfloat16()
+    b = torch.randn(n, hv, generator=gen).bfloat16()
+    a_log = torch.randn(hv, generator=gen) * 0.5
+    dt_bias = torch.randn(hv, generator=gen).bfloat16()
+    pages, records = _state_cache(lay, 6, gen)
+    for i, s in enumerate(slots):
+        if s > 0:
+            records[s] = rec[i]
+    before = pages.clone()
+    pages_dev = pages.to(DEV)
+    core_attn_out = torch.zeros(n + 2, hv, vd, dtype=torch.bfloat16, device=DEV)  # the layer's, padded
+    idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    plan = StepPlan(lay, w, DEV, fit)
+    packed_decode(pages_dev[:, 96 : 96 + lay.size], idx, plan, *[t.to(DEV) for t in (mixed, a, b, a_log, dt_bias)],
+                  hk, core_attn_out[:n])
+    live = [i for i, s in enumerate(slots) if s > 0]
+    q, k, v, g, beta = _vllm_decode_inputs(mixed[live], a[live], b[live], a_log, dt_bias, hk, kd, hv, vd)
+    o_want, r_want = ref.step(rec[live], lay, w, q, k, v, g, beta, fit=fit)
+    after = pages_dev.cpu()
+    assert_close_records(lay, r_want, after[:, 96 : 96 + lay.size][[slots[i] for i in live]])
+    out = core_attn_out.cpu().float()
+    assert torch.allclose(out[live], o_want.bfloat16().float(), rtol=2**-7, atol=1e-5 * o_want.abs().max())
+    assert out[[i for i in range(n + 2) if i not in live]].abs().max() == 0
+    touched = torch.zeros_like(before, dtype=torch.bool)
+    for i in live:
+        touched[slots[i], 96 : 96 + lay.size] = True
+    assert torch.equal(after[~touched], before[~touched])
+
+
+def test_cuda_decode_dispatch():
+    """Which batches the CUDA wrapper sends to the Triton step (vLLM's real metadata class)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+
+    from vllm_kvq.backends.state_pool import LayerPool, _is_decode_batch, decode_plan
+
+    def md(decodes, prefills):
+        return GDNAttentionMetadata(num_prefills=prefills, num_prefill_tokens=7 * prefills, num_decodes=decodes,
+                                    num_decode_tokens=decodes, num_spec_decodes=0, num_spec_decode_tokens=0,
+                                    num_actual_tokens=decodes + 7 * prefills)
+
+    assert _is_decode_batch(md(4, 0))
+    assert not _is_decode_batch(md(4, 1)) and not _is_decode_batch(md(0, 2))
+    lay = StateLayout((6, 16), 32, 32)
+    pool = LayerPool(lay, torch.ones(2, 32), "rowwise", torch.float32)
+    plan = decode_plan(pool, torch.device(DEV))
+    assert isinstance(plan, StepPlan) and plan.rowwise and decode_plan(pool, torch.device(DEV)) is plan
+    assert decode_plan(LayerPool(lay, torch.ones(2, 32), "stepquant", torch.float32, "reference"), DEV) is None
+    odd = LayerPool(StateLayout((6,), 48, 32), torch.ones(1, 48), "stepquant", torch.float32)
+    assert decode_plan(odd, torch.device(DEV)) is None  # K = 48: the kernel needs powers of two; stays staged
 
 
 def test_repeated_steps_stay_on_the_reference_trajectory():
@@ -207,14 +354,14 @@ def test_fp32_baseline_kernel():
 
 
 def test_readout_only_leaves_the_record():
-    """``fit=False`` (for timing the fit's share): same out, record untouched."""
+    """``readout_only`` (for timing the fit's share): same out, record untouched."""
     bits, kd, vd, n = (6, 16), 32, 32, 2
     lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 2, seed=4)
     plan = StepPlan(lay, w, DEV)
     dev = [t.to(DEV) for t in (q, k, v, g, beta)]
     pool = rec.to(DEV)
     idx = torch.arange(n, dtype=torch.int32, device=DEV)
-    out = step_(pool, idx, plan, *dev, min_slot=0, fit=False)
+    out = step_(pool, idx, plan, *dev, min_slot=0, readout_only=True)
     assert torch.equal(pool.cpu(), rec)
     # the same arithmetic up to the readout (two compilations: allow FMA contraction to differ)
     assert torch.allclose(out, step_(pool, idx, plan, *dev, min_slot=0), rtol=1e-5, atol=1e-7)

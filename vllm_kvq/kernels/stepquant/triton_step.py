@@ -1,5 +1,5 @@
-"""Fused STEPQuant decode step: unpack, gated delta update, readout, dual-axis
-fit and repack of every (request, value head) in one program.
+"""Fused STEPQuant decode step: unpack, gated delta update, readout, fit and
+repack of every (request, value head) in one program.
 
 Twin of :func:`reference.step`. One program owns one head of one request and
 holds its whole ``K x V`` state in registers, so the row statistics (mean
@@ -9,17 +9,18 @@ sync (CUDA-graph safe). The record is rewritten in place: no other program
 touches that (slot, head), and inside the program every load of the record
 comes before a cross-warp column sum, which comes before every store.
 
-Records live in a pool ``[slots, size]`` (uint8, one row per state slot, as
-vLLM pages them); ``state_indices [N]`` names each request's slot, and
-requests whose index is below ``min_slot`` (vLLM's padding and null slot 0:
-``min_slot=1``) get a zero output and touch nothing.
+Records live in a pool ``[slots, size]`` of uint8 whose slot stride may be
+larger than the record (vLLM's state view: the record sits inside a larger
+hybrid page, after the conv state); ``state_indices [N]`` (any stride, e.g.
+a column of vLLM's block table) names each request's slot, and requests whose
+index is below ``min_slot`` (vLLM's padding and null slot 0: ``min_slot=1``)
+get a zero output and touch nothing. One launch per width present in the
+layer, the width a constexpr, so each instance carries only its own
+unpack/fit code.
 
-Two launch shapes, same body:
-
-* ``grouped``: one launch per width present in the layer, the width a
-  constexpr, so each instance carries only its own unpack/fit code;
-* ``fused``: one launch for all heads, the width read from a per-head table
-  and dispatched by a runtime branch (fewer launches, larger kernel).
+The fit is the plan's: ``stepquant`` (the dual-axis fit with the impact
+factors) or ``rowwise`` (the uniform baseline: one absmax scale per key row,
+unit column scales), as in :func:`reference.fit_heads`.
 
 ``fast=True`` (the default) multiplies by reciprocals of the row and column
 scales instead of dividing every element, folds the decay into the row
@@ -149,6 +150,7 @@ def _head_step(
     rec, rec16, w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
     codes_off, rows_off, cols_off,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, FIT: tl.constexpr,
+    ROWWISE: tl.constexpr,
 ):
     """The whole step of one head: ``rec``/``rec16`` point at the record (uint8
     / fp16 views), the others at this (request, head)'s inputs and output.
@@ -198,6 +200,17 @@ def _head_step(
         pass
     elif BITS == 16:
         tl.store(rec16 + codes_off // 2 + i3 * V + 4 * b3 + a3, x.to(tl.float16))
+    elif ROWWISE:  # the uniform baseline: r_i = max_j |X_ij| / qmax, c = 1 (no INT2 form)
+        QMR: tl.constexpr = (1 << (BITS - 1)) - 1
+        r = _fp16_round(tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=0), axis=1), QMR * 1.0))  # [K]
+        r3 = r[None, :, None]
+        if FAST:
+            _, u = _levels(x * (1.0 / r3), BITS)
+        else:
+            _, u = _levels(_div(x, r3, tl.math.div_rn(1.0, r3)), BITS)
+        tl.store(rec16 + rows_off // 2 + rows, r.to(tl.float16))
+        tl.store(rec16 + cols_off // 2 + col2, tl.full((4, L), 1.0, tl.float16))
+        _pack_store(u, rec + codes_off, a3, i3, b3, K, V, BITS)
     else:
         QM: tl.constexpr = 3 if BITS == 2 else (1 << (BITS - 1)) - 1
         # 1. row factors from mean |X| (per 32-column group for INT2) and the impact
@@ -250,26 +263,26 @@ def _head_step(
 
 @triton.jit
 def _step_kernel(
-    pool, pool16, idx_ptr, size, min_slot,
-    heads_ptr, bits_ptr, codes_ptr, rows_ptr, cols_ptr,
+    pool, pool16, idx_ptr, s_idx, slot_stride, min_slot,
+    heads_ptr, codes_ptr, rows_ptr, cols_ptr,
     w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
     sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh,
     H, QK_GROUP,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr,
-    FIT: tl.constexpr,
+    FIT: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    """Program (j, n): head ``heads[j]`` of request n. ``BITS=0``: the width is
-    read from ``bits[j]`` (fused launch); otherwise it is the constexpr. Record
+    """Program (j, n): head ``heads[j]`` (width ``BITS``) of request n, whose
+    record starts at byte ``slot * slot_stride`` of the pool. The slot stride
     and head offsets are multiples of ``ALIGN`` bytes (vector loads)."""
     j = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     h = tl.load(heads_ptr + j)
     out = out_ptr + (n * H + h) * V
-    slot = tl.load(idx_ptr + n).to(tl.int64)
+    slot = tl.load(idx_ptr + n * s_idx).to(tl.int64)
     if slot < min_slot:
         tl.store(out + tl.arange(0, V), tl.zeros((V,), tl.float32))
     else:
-        base = tl.multiple_of(slot * size, ALIGN)
+        base = tl.multiple_of(slot * slot_stride, ALIGN)
         rec = pool + base
         rec16 = pool16 + base // 2
         qp = q_ptr + n * sqn + (h // QK_GROUP) * sqh
@@ -281,57 +294,48 @@ def _step_kernel(
         co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
         ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
         cl = tl.multiple_of(tl.load(cols_ptr + j), ALIGN)
-        if BITS != 0:
-            _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, BITS, K, V, FAST, FIT)
-        else:
-            b = tl.load(bits_ptr + j)
-            if b == 16:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 16, K, V, FAST, FIT)
-            elif b == 8:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 8, K, V, FAST, FIT)
-            elif b == 6:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 6, K, V, FAST, FIT)
-            elif b == 4:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 4, K, V, FAST, FIT)
-            else:
-                _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, 2, K, V, FAST, FIT)
+        _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, BITS, K, V, FAST, FIT, ROWWISE)
 
 
 LAST_KERNELS: list = []  # (width, compiled kernel) of the last step_ call: registers and spills for the benchmark
+FITS = ("stepquant", "rowwise")
 
 
 @dataclass
 class _Group:
-    bits: int  # 0: mixed (fused launch)
+    bits: int
     heads: torch.Tensor
-    widths: torch.Tensor
     codes: torch.Tensor
     rows: torch.Tensor
     cols: torch.Tensor
 
 
 class StepPlan:
-    """Device-side head tables of one layer's layout, built once (not per step)."""
+    """Device-side head tables of one layer's layout and its fit (``stepquant``
+    or ``rowwise``, as in :func:`reference.fit_heads`), built once (not per step)."""
 
-    def __init__(self, layout: StateLayout, impact: torch.Tensor, device: torch.device | str):
+    def __init__(self, layout: StateLayout, impact: torch.Tensor, device: torch.device | str,
+                 fit: str = "stepquant"):
         k, v = layout.k_dim, layout.v_dim
         if k & (k - 1) or v & (v - 1) or min(k, v) < INT2_GROUP:
             raise ValueError(f"the Triton step needs power-of-two K and V >= {INT2_GROUP}, got K={k} V={v}")
-        if layout.size % 2:
-            raise ValueError("the Triton step needs an even record size (fp16 view of the pool)")
+        if fit not in FITS:
+            raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
+        if fit == "rowwise" and 2 in layout.bits:
+            raise ValueError("the rowwise fit has no INT2 form (INT2 keeps one row factor per 32 columns)")
         self.layout = layout
+        self.rowwise = fit == "rowwise"
         self.impact = impact.to(device=device, dtype=torch.float32).contiguous()
         slots = layout.heads
 
         def group(bits: int, ids: list[int]) -> _Group:
             col = lambda f: torch.tensor([f(i) for i in ids], dtype=torch.int32, device=device)  # noqa: E731
-            return _Group(bits, col(lambda i: i), col(lambda i: slots[i].bits), col(lambda i: slots[i].codes),
-                          col(lambda i: slots[i].rows), col(lambda i: slots[i].cols))
+            return _Group(bits, col(lambda i: i), col(lambda i: slots[i].codes), col(lambda i: slots[i].rows),
+                          col(lambda i: slots[i].cols))
 
         # widest first: the pivot and 8-bit programs are the longest, start them early
         order = sorted(set(layout.bits), reverse=True)
         self.groups = [group(b, [i for i, x in enumerate(layout.bits) if x == b]) for b in order]
-        self.fused = group(0, sorted(range(len(layout.bits)), key=lambda i: -layout.bits[i]))
 
 
 def step_(
@@ -345,62 +349,72 @@ def step_(
     beta: torch.Tensor,
     out: torch.Tensor | None = None,
     min_slot: int = 1,
-    launch: str = "grouped",
     fast: bool = True,
     num_warps: int | None = None,
-    fit: bool = True,
+    readout_only: bool = False,
     maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Decode one token per request on the packed pool ``[slots, size]``, in place.
 
-    ``q, k [N, H or H_k, K]`` (key heads are shared by ``H / H_k`` consecutive
-    value heads), ``v [N, H, V]``, ``g, beta [N, H]``. Returns ``out [N, H, V]``
-    fp32 (or writes the given ``out``, contiguous). ``fit=False`` stops after
-    the readout and leaves the records alone (to time the fit's share);
-    ``maxnreg`` caps registers per thread (two programs per SM at 8 warps and
-    128, at the price of spills).
+    ``pool`` is uint8 with a unit byte stride inside a record and any even
+    slot stride (a view into vLLM's hybrid pages is fine); ``state_indices
+    [N]`` any integer vector. ``q, k [N, H or H_k, K]`` (key heads are shared
+    by ``H / H_k`` consecutive value heads), ``v [N, H, V]``, ``g, beta [N,
+    H]``, any strides with a contiguous last dimension. Returns ``out [N, H,
+    V]`` fp32, or writes the given contiguous ``out`` (fp32, bf16 or fp16).
+    ``readout_only`` stops after the readout and leaves the records alone (to
+    time the fit's share); ``maxnreg`` caps registers per thread (two programs
+    per SM at 8 warps and 128, at the price of spills).
     """
     lay = plan.layout
     n, h = v.shape[0], len(lay.bits)
     kd, vd = lay.k_dim, lay.v_dim
-    if pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != lay.size or not pool.is_contiguous():
-        raise ValueError(f"pool must be contiguous uint8 [slots, {lay.size}], got {tuple(pool.shape)} {pool.dtype}")
+    if (pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != lay.size or pool.stride(1) != 1
+            or (pool.shape[0] > 1 and pool.stride(0) < lay.size)):
+        raise ValueError(f"pool must be uint8 [slots, {lay.size}] with unit stride inside a record, got "
+                         f"{tuple(pool.shape)} {pool.dtype} strides {pool.stride()}")
+    slot_stride = pool.stride(0)
+    if slot_stride % 2 or pool.storage_offset() % 2:
+        raise ValueError(f"the pool's slot stride ({slot_stride}) and offset ({pool.storage_offset()}) must be even "
+                         "(records hold fp16 scales)")
+    if state_indices.dim() != 1 or state_indices.shape[0] < n or state_indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"state_indices must be an int32/int64 vector of at least {n} slots, got "
+                         f"{tuple(state_indices.shape)} {state_indices.dtype}")
     if q.shape[1] != k.shape[1] or h % q.shape[1]:
         raise ValueError(f"q/k heads {q.shape[1]}/{k.shape[1]} must divide the {h} value heads")
     if out is None:
         out = torch.empty(n, h, vd, dtype=torch.float32, device=v.device)
-    elif out.shape != (n, h, vd) or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous [{n}, {h}, {vd}] tensor, got {tuple(out.shape)}")
+    elif (out.shape != (n, h, vd) or not out.is_contiguous()
+          or out.dtype not in (torch.float32, torch.bfloat16, torch.float16)):
+        raise ValueError(f"out must be a contiguous float [{n}, {h}, {vd}] tensor, got {tuple(out.shape)} {out.dtype}")
     if n == 0:
         return out
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k, v need a contiguous last dimension")
     nw = num_warps or (8 if kd * vd >= 8192 else 4)
-    common = (state_indices, lay.size, min_slot)
+    head = (pool, pool.view(torch.float16), state_indices, state_indices.stride(0), slot_stride, min_slot)
     tail = (plan.impact, q, k, v, g, beta, out,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1])
-    groups = plan.groups if launch == "grouped" else [plan.fused]
-    if launch not in ("grouped", "fused"):
-        raise ValueError(f"launch must be 'grouped' or 'fused', got {launch!r}")
     extra = {"maxnreg": maxnreg} if maxnreg else {}
     LAST_KERNELS.clear()
-    for grp in groups:
+    for grp in plan.groups:
         kern = _step_kernel[(grp.heads.numel(), n)](
-            pool, pool.view(torch.float16), *common, grp.heads, grp.widths, grp.codes, grp.rows, grp.cols, *tail,
-            BITS=grp.bits, K=kd, V=vd, FAST=fast, ALIGN=4 if lay.size % 4 == 0 else 2, FIT=fit, num_warps=nw, **extra)
+            *head, grp.heads, grp.codes, grp.rows, grp.cols, *tail,
+            BITS=grp.bits, K=kd, V=vd, FAST=fast, ALIGN=4 if slot_stride % 4 == 0 else 2, FIT=not readout_only,
+            ROWWISE=plan.rowwise, num_warps=nw, **extra)
         LAST_KERNELS.append((grp.bits, kern))
     return out
 
 
-def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None, **kw):
+def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None, fit: str = "stepquant", **kw):
     """Out-of-place twin of :func:`reference.step` on gathered records ``[N, size]``."""
-    plan = plan or StepPlan(layout, impact, records.device)
+    plan = plan or StepPlan(layout, impact, records.device, fit)
     new = records.clone()
     idx = torch.arange(records.shape[0], dtype=torch.int32, device=records.device)
     out = step_(new, idx, plan, q, k, v, g, beta, min_slot=0, **kw)
     return out, new
 
 
-__all__ = ["StepPlan", "step_", "step", "PIVOT"]
+__all__ = ["StepPlan", "step_", "step", "PIVOT", "FITS"]
