@@ -15,7 +15,9 @@ The engine is stepped in this process so every step can be classified:
 
 Each backend runs in its own process (``run`` sub-command); the parent
 writes ``benchmarks/results/oscar_vllm_e2e.json`` (or ``$OUT``) and prints a
-table. Needs a GPU and vLLM 0.32 (``scripts/h200.sh`` runs it).
+table. Needs a GPU and vLLM 0.32 (``scripts/h200.sh`` runs it). Engines run
+eagerly, or with ``--cuda-graphs`` both with full CUDA graphs for decode-only
+batches (``GRAPHS``: no torch.compile; other batches eager).
 
     python benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 16 --gpu-mem 0.15
 """
@@ -38,6 +40,7 @@ QWEN3_4B = {
     "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
 }
 BACKENDS = {"bf16": ("TRITON_ATTN", None), "oscar": ("OSCAR", {"rotation": "hadamard"})}
+GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # vLLM's default capture sizes
 
 
 def run(backend: str, args: argparse.Namespace) -> dict:
@@ -55,9 +58,17 @@ def run(backend: str, args: argparse.Namespace) -> dict:
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3_4B))
     kw = {"additional_config": {"kvq": kvq}} if kvq is not None else {}
+    if args.cuda_graphs:
+        kw.update(enforce_eager=False, compilation_config=dict(GRAPHS))
+    else:
+        kw.update(enforce_eager=True)
     llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, attention_backend=attention,
               max_model_len=args.prompt_len + args.gen, gpu_memory_utilization=args.gpu_mem,
-              enforce_eager=True, enable_prefix_caching=False, async_scheduling=False, seed=0, **kw)
+              enable_prefix_caching=False, async_scheduling=False, seed=0, **kw)
+    from vllm.compilation.counter import compilation_counter
+
+    graphs = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
+              "graphs_captured": compilation_counter.num_cudagraph_captured}
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     capacity = engine.vllm_config.cache_config.kv_cache_size_tokens
@@ -96,7 +107,7 @@ def run(backend: str, args: argparse.Namespace) -> dict:
     return {"backend": attention, "kv_cache_size_tokens": capacity, "concurrent_batch": batch,
             "decode_tokens_per_s": decode_tok / decode_t if decode_t else None,
             "decode_steps_time_s": decode_t, "prefill_tokens_per_s": prefill_tok / prefill_t if prefill_t else None,
-            "job_wall_s": wall, "job_generated_tokens_per_s": args.requests * args.gen / wall}
+            "job_wall_s": wall, "job_generated_tokens_per_s": args.requests * args.gen / wall, **graphs}
 
 
 def main() -> None:
@@ -108,7 +119,10 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--gpu-mem", type=float, default=0.15)
     p.add_argument("--model-dir", default="/tmp/kvq_qwen3_4b_dummy")
-    p.add_argument("--label", default=None, help="key of this job in the JSON (default: the prompt length)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="full CUDA graphs for decode-only batches in both engines (default: eager)")
+    p.add_argument("--label", default=None,
+                   help="key of this job in the JSON (default: the prompt length, '-graphs' with --cuda-graphs)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     out = Path(args.json or (Path(os.environ["OUT"]) / "oscar_vllm_e2e.json" if "OUT" in os.environ
@@ -118,12 +132,14 @@ def main() -> None:
         return
     if args.mode == "all":
         job = {"prompt_len": args.prompt_len, "gen": args.gen, "requests": args.requests,
-               "gpu_memory_utilization": args.gpu_mem, "model": "Qwen3-4B shape, dummy weights", "enforce_eager": True}
+               "gpu_memory_utilization": args.gpu_mem, "model": "Qwen3-4B shape, dummy weights",
+               "enforce_eager": not args.cuda_graphs, "compilation_config": GRAPHS if args.cuda_graphs else None}
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         for name in BACKENDS:
             cmd = [sys.executable, __file__, "run", "--backend", name] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")]
+                if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")] + (
+                ["--cuda-graphs"] if args.cuda_graphs else [])
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
             job[name] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
@@ -133,7 +149,7 @@ def main() -> None:
                 a, b = job["oscar"].get(key), job["bf16"].get(key)
                 job[f"{key}_oscar_vs_bf16"] = a / b if a and b else None
         results = json.loads(out.read_text()) if out.exists() else {}
-        results[args.label or str(args.prompt_len)] = job
+        results[args.label or str(args.prompt_len) + ("-graphs" if args.cuda_graphs else "")] = job
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
     print(render(json.loads(out.read_text())))
@@ -149,7 +165,9 @@ def render(results: dict) -> str:
                 rows.append(f"| {label} | {name} | failed | | | | |")
                 continue
             fmt = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
-            rows.append(f"| {job['requests']} x {job['prompt_len']} + {job['gen']} | {r['backend']} | "
+            shape = f"{job['requests']} x {job['prompt_len']} + {job['gen']}"
+            shape += ", CUDA graphs" if job.get("compilation_config") else ""
+            rows.append(f"| {shape} | {r['backend']} | "
                         f"{r['kv_cache_size_tokens']:,} | {r['concurrent_batch']} | {fmt(r['decode_tokens_per_s'])} | "
                         f"{fmt(r['prefill_tokens_per_s'])} | {r['job_generated_tokens_per_s']:,.1f} |")
         ratio = job.get("decode_tokens_per_s_oscar_vs_bf16")

@@ -7,7 +7,9 @@
 #   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
 #   check  the CUDA check in real vLLM, scripts/cuda_check.py (~3 min);
+#   graphs OSCAR decode under full CUDA graphs against eager, scripts/cuda_graph_check.py (~5 min);
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
+#   e2e-graphs  the same job with full CUDA graphs for decodes in both engines (~8 min; not by default);
 #   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (<= 9 min: it stops
 #          starting engines after 520 s; Triton decode vs staged vs FP32 states);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
@@ -17,7 +19,7 @@ cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
-steps=" ${*:-tests statetests bench check e2e state fp8 calib} "
+steps=" ${*:-tests statetests bench check graphs e2e state fp8 calib} "
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [[ $steps == *" tests "* ]]; then
@@ -35,9 +37,17 @@ if [[ $steps == *" check "* ]]; then
   timeout 330 python3 scripts/cuda_check.py > "$OUT/cuda_check.log" 2>&1; echo "cuda check rc=$?"
   [ -f "$OUT/cuda_check.json" ] && cat "$OUT/cuda_check.json"
 fi
+if [[ $steps == *" graphs "* ]]; then
+  timeout 560 python3 scripts/cuda_graph_check.py > "$OUT/cuda_graph_check.log" 2>&1; echo "cuda graph check rc=$?"
+  [ -f "$OUT/cuda_graph_check.json" ] && cat "$OUT/cuda_graph_check.json" || tail -40 "$OUT/cuda_graph_check.log"
+fi
 if [[ $steps == *" e2e "* ]]; then
   timeout 540 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
     --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
+fi
+if [[ $steps == *" e2e-graphs "* ]]; then
+  timeout 540 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
+    --cuda-graphs --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e graphs rc=$?"
 fi
 if [[ $steps == *" state "* ]]; then
   timeout 570 python3 scripts/cuda_state_check.py --budget-s 520 > "$OUT/cuda_state_check.log" 2>&1

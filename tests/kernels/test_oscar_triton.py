@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from vllm_kvq.kernels.oscar import reference as ref  # noqa: E402
 from vllm_kvq.kernels.oscar.format import OscarFormat  # noqa: E402
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention  # noqa: E402
-from vllm_kvq.kernels.oscar.triton_store import store_tokens  # noqa: E402
+from vllm_kvq.kernels.oscar.triton_store import store_decode_tokens, store_tokens  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(d=64, hkv=2, group=4, g=32, kb=16, sink=4, window=8)
@@ -157,6 +157,71 @@ def test_decode_matches_reference(shape, splits, launch):
     # q, scaled probabilities and BF16 rows pass through fp16 for the tensor cores.
     assert err < 5e-3, err
     assert (out - want).abs().mean().item() < 5e-4
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")
+@pytest.mark.parametrize("store", ["decode", "tokens"])
+def test_padded_decode_batch(shape, store):
+    """A decode batch as vLLM replays it from a CUDA graph: the live requests,
+    then the rows it pads the batch with (length 0, slot -1, block-table row
+    NULL = block 0, or a stale row of a live request), and a dummy-run row
+    (length 1, NULL row, slot -1). Over cache bytes that start random (freed
+    blocks keep old bytes): the pages end up exactly as the reference leaves
+    them after the live tokens alone, the live rows' outputs match the
+    reference and the length-0 rows get zeros."""
+    gen = torch.Generator().manual_seed(4)
+    fmt = _fmt(shape)
+    h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
+    s0w = fmt.sink + fmt.window
+    lengths = [1, fmt.sink + 1, s0w + 1, 3 * fmt.block_size + 5]
+    live = len(lengths)
+    table, nblocks = _block_table(fmt, lengths, gen)
+    # padding: NULL row, a stale copy of request 2's row, and a dummy-run row
+    table = torch.cat([table, torch.zeros(1, table.shape[1], dtype=torch.int32), table[2:3],
+                       torch.zeros(1, table.shape[1], dtype=torch.int32)])
+    seq_lens = lengths + [0, 0, 1]
+    slots = [1] * live + [-1, -1, -1]
+    cache = torch.randint(0, 256, (nblocks, h, fmt.block_size, fmt.bytes_per_token), generator=gen,
+                          dtype=torch.uint8).to(DEV)
+    pages = ref.PageViews(cache, fmt)
+    tdev = table.to(DEV)
+    q_last, k_last, v_last = [], [], []
+    for i, n in enumerate(lengths):
+        k = torch.randn(n, h, d, generator=gen).to(torch.bfloat16).float().to(DEV)
+        v = torch.randn(n, h, d, generator=gen).to(torch.bfloat16).float().to(DEV)
+        q = torch.randn(n, hq, d, generator=gen).to(DEV)
+        if n > 1:  # the context, as earlier steps wrote it
+            ref.attend_and_write(pages, fmt, tdev[i], 0, q[:-1], k[:-1], v[:-1], 0.96, 0.92, d ** -0.5)
+        q_last.append(q[-1])
+        k_last.append(k[-1])
+        v_last.append(v[-1])
+    for _ in range(len(seq_lens) - live):  # what the padded rows hold: whatever
+        q_last.append(torch.randn(hq, d, generator=gen).to(DEV))
+        k_last.append(torch.randn(h, d, generator=gen).to(torch.bfloat16).float().to(DEV))
+        v_last.append(torch.randn(h, d, generator=gen).to(torch.bfloat16).float().to(DEV))
+    want_cache = cache.clone()
+    want_pages = ref.PageViews(want_cache, fmt)
+    want = torch.stack([ref.attend_and_write(want_pages, fmt, tdev[i], n - 1, q_last[i][None], k_last[i][None],
+                                             v_last[i][None], 0.96, 0.92, d ** -0.5)[0]
+                        for i, n in enumerate(lengths)])
+
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    q, k, v = torch.stack(q_last), torch.stack(k_last), torch.stack(v_last)
+    seq = ints(seq_lens)
+    if store == "decode":
+        store_decode_tokens(cache, fmt, k, v, None, seq, tdev, 0.96, 0.92,
+                            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEV))
+    else:  # explicit index: the padding at position -1
+        pos = [n - 1 if s >= 0 else -1 for n, s in zip(seq_lens, slots)]
+        store_tokens(cache, fmt, k, v, None, ints(pos), ints(list(range(len(seq_lens)))), seq, tdev, 0.96, 0.92)
+    changed = (cache.cpu() != want_cache.cpu()).sum().item()
+    assert changed == 0, f"{changed} cache bytes differ from the reference's"
+
+    out = torch.full((len(seq_lens), hq, d), float("nan"), dtype=torch.float32, device=DEV)
+    decode_attention(q, cache, fmt, tdev, seq, d ** -0.5, 3, out)
+    err = (out[:live] - want).abs().max().item()
+    assert err < 5e-3, err
+    assert torch.equal(out[live:live + 2].cpu(), torch.zeros(2, hq, d))
 
 
 @pytest.mark.parametrize("g", [32, 64])

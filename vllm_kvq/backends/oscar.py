@@ -108,8 +108,8 @@ def uses_triton(settings: kvq_settings.OscarSettings, device: torch.device) -> b
 
 @dataclass
 class TokenIndex:
-    """Per-token position, request row and request length after this step,
-    and the query tiles of the multi-token requests (CUDA path only)."""
+    """Per-token position, request row and request length after this step of
+    the multi-token chunks, and their query tiles (CUDA path only)."""
 
     positions: torch.Tensor
     request: torch.Tensor
@@ -120,53 +120,91 @@ class TokenIndex:
 @dataclass
 class OscarMetadata:
     num_actual_tokens: int
-    num_decodes: int  # leading requests with a single query token
-    query_start_loc: list[int]
-    seq_lens: list[int]
+    num_decodes: int  # leading requests with a single query token (one token each)
     block_table: torch.Tensor
-    tokens: TokenIndex | None
+    # reference path (CPU, or kernels "reference"): host copies
+    query_start_loc: list[int] | None = None
+    seq_lens: list[int] | None = None
+    # Triton path: the decodes read vLLM's persistent buffers (views, the same
+    # storage every step: what a captured CUDA graph replays) ...
+    decode_seq_lens: torch.Tensor | None = None
+    decode_slots: torch.Tensor | None = None
+    # ... the multi-token chunks an index built per step (never captured)
+    chunks: TokenIndex | None = None
+
+    @property
+    def triton(self) -> bool:
+        return self.decode_seq_lens is not None
 
 
 class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    # The Triton path: full CUDA graphs for batches of single-token requests
+    # (their padding rows have length 0 and slot -1 and write nothing); batches
+    # with a multi-token chunk run eagerly (or piecewise). The reference path:
+    # never (get_cudagraph_support).
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        from vllm.platforms import current_platform
+
+        s = kvq_settings.from_vllm_config(vllm_config)
+        if s.scheme == "oscar" and uses_triton(s, torch.device(current_platform.device_type)):
+            return cls._cudagraph_support
+        return AttentionCGSupport.NEVER  # the reference ops loop over requests on the host
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         # Single-token requests first (the Triton decode path on CUDA).
         self._init_reorder_batch_threshold(1)
         self._triton = uses_triton(kvq_settings.from_vllm_config(vllm_config), torch.device(device))
+        # vLLM's host copy of the sequence lengths is exact without speculative decoding
+        self._host_seq_lens_exact = getattr(vllm_config, "speculative_config", None) is None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> OscarMetadata:
         m = common_attn_metadata
         n = m.num_reqs
-        num_decodes, _, _, _ = split_decodes_and_prefills(m, decode_threshold=1)
-        qsl = m.query_start_loc_cpu[: n + 1].tolist()
-        seq_lens = m.seq_lens[:n].cpu().tolist()
-        tokens = None
-        if self._triton:
-            tokens = self._token_index(m, num_decodes, qsl, seq_lens)
+        num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(m, decode_threshold=1)
+        if not self._triton:
+            return OscarMetadata(
+                num_actual_tokens=m.num_actual_tokens,
+                num_decodes=num_decodes,
+                block_table=m.block_table_tensor[:n],
+                query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
+                seq_lens=m.seq_lens[:n].cpu().tolist(),
+            )
+        if num_decode_tokens != num_decodes:
+            num_decodes = 0  # not one token per decode request: all through the chunk path
+        # Decode-only batches (the ones replayed from CUDA graphs) take no host
+        # step here: the store and decode kernels read seq_lens, the block
+        # table and the slot mapping, which vLLM rewrites in place every step.
         return OscarMetadata(
             num_actual_tokens=m.num_actual_tokens,
             num_decodes=num_decodes,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
             block_table=m.block_table_tensor[:n],
-            tokens=tokens,
+            decode_seq_lens=m.seq_lens[:num_decodes],
+            decode_slots=m.slot_mapping[:num_decodes],
+            chunks=self._chunk_index(m, num_decodes) if num_decodes < n else None,
         )
 
-    @staticmethod
-    def _token_index(m: CommonAttentionMetadata, num_decodes: int, qsl: list[int],
-                     seq_lens: list[int]) -> TokenIndex:
+    def _chunk_index(self, m: CommonAttentionMetadata, num_decodes: int) -> TokenIndex:
+        """Positions, request rows and lengths of the tokens of requests
+        ``num_decodes ..`` (eager: batches with a chunk are never captured)."""
         from vllm_kvq.kernels.oscar.triton_extend import query_tiles
 
-        n, nt = m.num_reqs, m.num_actual_tokens
+        n = m.num_reqs
+        qsl = m.query_start_loc_cpu[: n + 1].tolist()
+        if self._host_seq_lens_exact and m.seq_lens_cpu_upper_bound is not None:
+            seq_lens = m.seq_lens_cpu_upper_bound[:n].tolist()  # no device sync
+        else:
+            seq_lens = m.seq_lens[:n].cpu().tolist()
+        first, nt = qsl[num_decodes], qsl[n]
         loc = m.query_start_loc[: n + 1]
-        tok = torch.arange(nt, dtype=loc.dtype, device=loc.device)
+        tok = torch.arange(first, nt, dtype=loc.dtype, device=loc.device)
         req = torch.searchsorted(loc[1:], tok, right=True)
         end = m.seq_lens[:n][req]
         pos = end - (loc[req + 1] - tok)
-        first = qsl[num_decodes]
         chunks = [(i, qsl[i] - first, qsl[i + 1] - qsl[i], seq_lens[i] - (qsl[i + 1] - qsl[i]))
                   for i in range(num_decodes, n) if qsl[i + 1] > qsl[i]]
         return TokenIndex(pos.to(torch.int32), req.to(torch.int32), end.to(torch.int32),
@@ -298,7 +336,7 @@ class OscarImpl(AttentionImpl):
             q = self._rotate(q, self.k_rotation)
         out = output.view(-1, self.num_heads, d)
         md = attn_metadata
-        if md.tokens is not None:
+        if md.triton:
             self._forward_triton(q, k, v, kv_cache, fmt, md, out)
             return self._unrotated(output, n)
         if self.settings.scheme == "kivi":
@@ -343,25 +381,31 @@ class OscarImpl(AttentionImpl):
     def _forward_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:
         """CUDA: single-token requests store then run the split-KV decode;
         multi-token chunks store their INT2 rows, attend, then store their
-        BF16 rows (their early queries still read the ring rows they replace)."""
+        BF16 rows (their early queries still read the ring rows they replace).
+
+        The decode half is what a full CUDA graph captures: it reads only
+        device buffers that vLLM rewrites in place (seq_lens, block table,
+        slot mapping) and launches a grid fixed by the (padded) batch size."""
         from vllm_kvq.kernels.oscar import triton_decode, triton_extend, triton_store
 
-        tok, table = md.tokens, md.block_table
+        table = md.block_table
         rot = None if self.k_identity else self.k_rotation
         nd, n = md.num_decodes, md.num_actual_tokens
         if nd:
-            triton_store.store_tokens(kv_cache, fmt, k[:nd], v[:nd], rot, tok.positions[:nd], tok.request[:nd],
-                                      tok.seq_end[:nd], table, self.k_clip, self.v_clip)
+            seq = md.decode_seq_lens
+            triton_store.store_decode_tokens(kv_cache, fmt, k[:nd], v[:nd], rot, seq, table, self.k_clip,
+                                             self.v_clip, slot_mapping=md.decode_slots)
             if self._sm_count is None:
                 self._sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                                   if q.is_cuda else 1)
             splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count,
                                               fmt.block_size)
-            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:nd], tok.seq_end[:nd], self.scale,
-                                           splits, out[:nd])
-        if n > nd:
-            idx = (tok.positions[nd:n], tok.request[nd:n], tok.seq_end[nd:n], table, self.k_clip, self.v_clip)
-            k_rot = triton_store.store_tokens(kv_cache, fmt, k[nd:n], v[nd:n], rot, *idx, state=False)
-            triton_extend.extend_attention(q[nd:n], k_rot, v[nd:n], kv_cache, fmt, table, tok.extend_tiles,
-                                           self.scale, out[nd:n])
-            triton_store.store_tokens(kv_cache, fmt, k_rot, v[nd:n], None, *idx, data=False)
+            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:nd], seq, self.scale, splits, out[:nd])
+        tok = md.chunks
+        if tok is not None and n > nd:
+            stop = nd + tok.positions.shape[0]  # past the chunks' tokens: padding, if any
+            idx = (tok.positions, tok.request, tok.seq_end, table, self.k_clip, self.v_clip)
+            k_rot = triton_store.store_tokens(kv_cache, fmt, k[nd:stop], v[nd:stop], rot, *idx, state=False)
+            triton_extend.extend_attention(q[nd:stop], k_rot, v[nd:stop], kv_cache, fmt, table, tok.extend_tiles,
+                                           self.scale, out[nd:stop])
+            triton_store.store_tokens(kv_cache, fmt, k_rot, v[nd:stop], None, *idx, data=False)

@@ -12,8 +12,9 @@ of its KV head (GQA: each page byte is read once). INT2 codes are never
 expanded to values in memory: with ``k = code * s + m`` per row and group,
 ``q.k = s (q.code) + m sum(q)``, so the dot products run on the raw codes and
 the per-token scale and min are applied to the scores (and, for values, to
-the probabilities). No host sync, fixed split count: safe to capture in a
-CUDA graph.
+the probabilities). No host sync, and the split count depends only on the
+batch size and static config: safe to capture in a CUDA graph. A request of
+length 0 (vLLM's padding of a replayed batch) reads no page and gets zeros.
 """
 
 from __future__ import annotations
@@ -344,7 +345,8 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, parts, HQ: tl.c
         o = tl.load(o_ptr + (first + j)[:, None] * D + d[None, :], mask=(j < parts)[:, None], other=0.0)
         acc += tl.sum(o * w[:, None], axis=0)
         total += w
-    out = acc / tl.sum(total, axis=0)
+    denom = tl.sum(total, axis=0)
+    out = acc / tl.where(denom > 0, denom, 1.0)  # no key at all (a padding row of length 0): zeros
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d, out.to(out_ptr.dtype.element_ty))
 
 

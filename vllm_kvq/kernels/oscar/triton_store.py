@@ -4,6 +4,9 @@ sink/window rows, in one launch per layer.
 Twin of :func:`reference.write_request` (plus the K rotation and the
 quantizer of :func:`reference.quantize_rows`) for every token of a batch at
 once. Each program handles ``BLOCK_T`` tokens of one KV head.
+
+A token at position -1 (its request has length 0: the padding vLLM adds to a
+batch replayed from a CUDA graph) or with a negative slot writes nothing.
 """
 
 from __future__ import annotations
@@ -92,14 +95,14 @@ def _quantize_store(x, codes_ptr, sm_ptr, tok_ok, BLOCK_T: tl.constexpr, D: tl.c
 @triton.jit
 def _store_kernel(
     k_ptr, v_ptr, rot_ptr, k_out_ptr,
-    pos_ptr, req_ptr, end_ptr, bt_ptr, bt_stride,
+    pos_ptr, req_ptr, end_ptr, slot_ptr, bt_ptr, bt_stride,
     cache_u8, cache_f16, cache_bf16,
     n_tokens, k_clip_above, v_clip_above,
     stride_kt, stride_kh, stride_vt, stride_vh,
     H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
     ROTATE: tl.constexpr, DATA: tl.constexpr, STATE: tl.constexpr, BLOCK_T: tl.constexpr,
-    ROT_PRECISION: tl.constexpr,
+    ROT_PRECISION: tl.constexpr, DECODE: tl.constexpr, SLOTS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -130,24 +133,33 @@ def _store_kernel(
     if ROTATE:
         tl.store(k_out_ptr + tok[:, None] * (H * D) + h * D + cols[None, :], k_bf, mask=tok_ok[:, None])
 
-    pos = tl.load(pos_ptr + tok, mask=tok_ok, other=0)
-    req = tl.load(req_ptr + tok, mask=tok_ok, other=0)
-    end = tl.load(end_ptr + tok, mask=tok_ok, other=0)
+    if DECODE:  # token t is the one query token of request t, at position seq_len - 1
+        req = tok
+        end = tl.load(end_ptr + tok, mask=tok_ok, other=0)
+        pos = end - 1
+    else:
+        pos = tl.load(pos_ptr + tok, mask=tok_ok, other=-1)
+        req = tl.load(req_ptr + tok, mask=tok_ok, other=0)
+        end = tl.load(end_ptr + tok, mask=tok_ok, other=0)
+    # padding: no position (a request of length 0) or no slot writes nothing
+    live = tok_ok & (pos >= 0)
+    if SLOTS:
+        live = live & (tl.load(slot_ptr + tok, mask=tok_ok, other=-1) >= 0)
     row = bt_ptr + req.to(tl.int64) * bt_stride
 
     if DATA:  # INT2 rows in the data block of each position
-        blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=tok_ok, other=0).to(tl.int64)
+        blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=live, other=0).to(tl.int64)
         off = pos % KB
         base = (blk * H + h) * BLOCK_BYTES
         kq, vq = _clip_pair(k_bf.to(tl.float32), v_bf.to(tl.float32), k_clip_above, v_clip_above)
         _quantize_store(kq, cache_u8 + base + off * D4,
-                        cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, tok_ok, BLOCK_T, D, G)
+                        cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, live, BLOCK_T, D, G)
         _quantize_store(vq, cache_u8 + base + KB * D4 + off * D4,
                         cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
-                        tok_ok, BLOCK_T, D, G)
+                        live, BLOCK_T, D, G)
 
     if STATE:  # BF16 rows of the sink and of the last W positions of this chunk
-        keep = tok_ok & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
+        keep = live & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
         slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
         sblk = tl.load(row + slot // ROWS, mask=keep, other=0).to(tl.int64)
         srow = slot % ROWS
@@ -190,6 +202,38 @@ def store_tokens(
     multi-token chunk stores its INT2 rows, attends, then stores its BF16 rows:
     its early queries still need the ring rows its later tokens overwrite.
     """
+    return _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, None, block_table,
+                   k_clip, v_clip, data, state, launch)
+
+
+def store_decode_tokens(
+    kv_cache: torch.Tensor,
+    fmt: OscarFormat,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_rotation: torch.Tensor | None,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    k_clip: float,
+    v_clip: float,
+    slot_mapping: torch.Tensor | None = None,
+    launch: dict | None = None,
+) -> torch.Tensor:
+    """:func:`store_tokens` for a batch of single-token requests: token ``i``
+    is request ``i``'s, at position ``seq_lens[i] - 1``.
+
+    Reads nothing but device tensors (no per-step index), so a CUDA graph that
+    captured it replays any batch written into the same ``seq_lens``,
+    ``block_table`` and ``slot_mapping`` buffers. Tokens of length-0 requests
+    and, with ``slot_mapping``, tokens whose slot is negative (vLLM's padding
+    and dummy batches) write nothing.
+    """
+    return _launch(kv_cache, fmt, k, v, k_rotation, None, None, seq_lens, slot_mapping, block_table,
+                   k_clip, v_clip, True, True, launch)
+
+
+def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_mapping, block_table,
+            k_clip, v_clip, data, state, launch) -> torch.Tensor:
     n, h, d = k.shape
     if not kv_cache.is_contiguous():
         raise ValueError("OSCAR pages must be one contiguous [blocks, H, KB, C] tensor per layer")
@@ -202,15 +246,17 @@ def store_tokens(
     lc = dict(launch or (STORE_SMALL if n <= 256 else STORE_LARGE))
     block_t = lc.pop("block_t")
     grid = (triton.cdiv(n, block_t), h)
+    decode = positions is None
     _store_kernel[grid](
         k, v, k_rotation if rotate else k, k_out,
-        positions, request, seq_end, block_table, block_table.stride(0),
+        seq_end if decode else positions, seq_end if decode else request, seq_end,
+        seq_end if slot_mapping is None else slot_mapping, block_table, block_table.stride(0),
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16),
         n, entries_above_clip(k_clip, d), entries_above_clip(v_clip, d),
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         H=h, D=d, G=fmt.group_size, KB=fmt.block_size,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         ROTATE=rotate, DATA=data, STATE=state, BLOCK_T=block_t,
-        ROT_PRECISION="tf32x3" if _compiled(k) else "ieee", **lc,
+        ROT_PRECISION="tf32x3" if _compiled(k) else "ieee", DECODE=decode, SLOTS=slot_mapping is not None, **lc,
     )
     return k_out
