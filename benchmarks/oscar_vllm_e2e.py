@@ -145,7 +145,8 @@ def main() -> None:
             job[name] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
             print(name, job[name], flush=True)
         if "decode_tokens_per_s" in job["oscar"] and "decode_tokens_per_s" in job["bf16"]:
-            for key in ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "job_generated_tokens_per_s"):
+            for key in ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "prefill_tokens_per_s",
+                        "job_generated_tokens_per_s"):
                 a, b = job["oscar"].get(key), job["bf16"].get(key)
                 job[f"{key}_oscar_vs_bf16"] = a / b if a and b else None
         results = json.loads(out.read_text()) if out.exists() else {}
@@ -172,8 +173,12 @@ def render(results: dict) -> str:
                         f"{fmt(r['prefill_tokens_per_s'])} | {r['job_generated_tokens_per_s']:,.1f} |")
         ratio = job.get("decode_tokens_per_s_oscar_vs_bf16")
         if ratio:
+            prefill = job.get("prefill_tokens_per_s_oscar_vs_bf16")
+            if prefill is None and job["oscar"].get("prefill_tokens_per_s") and job["bf16"].get("prefill_tokens_per_s"):
+                prefill = job["oscar"]["prefill_tokens_per_s"] / job["bf16"]["prefill_tokens_per_s"]
             rows.append(f"| | OSCAR / BF16 | {job['kv_cache_size_tokens_oscar_vs_bf16']:.2f}x | "
-                        f"{job['concurrent_batch_oscar_vs_bf16']:.2f}x | {ratio:.2f}x | | "
+                        f"{job['concurrent_batch_oscar_vs_bf16']:.2f}x | {ratio:.2f}x | "
+                        f"{f'{prefill:.2f}x' if prefill else ''} | "
                         f"{job['job_generated_tokens_per_s_oscar_vs_bf16']:.2f}x |")
     return "\n".join(rows)
 
