@@ -58,10 +58,11 @@ def bits_per_element(kvq: dict | None, head_size: int = 128) -> float:
     return 8.0 * fmt.bytes_per_token / (2 * head_size)
 
 
-def needle_set(per_bucket: int) -> list[dict]:
+def needle_set(per_bucket: int, buckets: list = BUCKETS) -> list[dict]:
+    """The first ``per_bucket`` dev needles of each prompt-length bucket."""
     rows = [json.loads(line) for line in (SHARED / "eval" / "needles-dev.jsonl").open()]
     chosen = []
-    for lo, hi, _ in BUCKETS:
+    for lo, hi, _ in buckets:
         chosen += [r for r in rows if lo <= r["prompt_tokens"] < hi][:per_bucket]
     return chosen
 
@@ -75,16 +76,17 @@ def ppl_windows(tokenizer, count: int, length: int = 4000) -> list[list[int]]:
 GUARD_TOKENS = 4500
 
 
-def generate_guarded(llm, prompts: list, params) -> list:
-    """Generate in waves of 16 requests, each beside a guard request longer
-    than any prompt, so the per-request chunk cap holds until the wave is done."""
+def generate_guarded(llm, prompts: list, params, wave_size: int = 16, guard_tokens: int = GUARD_TOKENS) -> list:
+    """Generate in waves of requests, each beside a guard request longer than
+    any prompt: vLLM lifts the per-request chunk cap when one request is left
+    alone, so the guard keeps it until the wave is done."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    guard = TokensPrompt(prompt_token_ids=[(7 * i) % 8000 + 10 for i in range(GUARD_TOKENS)])
+    guard = TokensPrompt(prompt_token_ids=[(7 * i) % 8000 + 10 for i in range(guard_tokens)])
     results = []
-    for i in range(0, len(prompts), 16):
-        wave = prompts[i : i + 16]
+    for i in range(0, len(prompts), wave_size):
+        wave = prompts[i : i + wave_size]
         outs = llm.generate([guard, *wave], [SamplingParams(max_tokens=1)] + [params] * len(wave),
                             use_tqdm=False)
         results += outs[1:]

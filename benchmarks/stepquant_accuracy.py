@@ -17,19 +17,20 @@ table in ``docs/stepquant.md``.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
 import time
 from pathlib import Path
 
+from accuracy import generate_guarded, needle_set, ppl_windows  # benchmarks/ is the script directory
+
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared"
 MODEL = REPO / "examples" / "models" / "house-qwen3next"
 PLAN = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"
 OSCAR = REPO / "examples" / "artifacts" / "house-qwen3next-oscar"
 BUCKETS = [(0, 1024, "<1k"), (1024, 2048, "1-2k")]
 MAX_LEN = 2200
+GUARD = MAX_LEN - 8  # the guard request: longer than any prompt, inside the model's context
 
 
 def variants() -> dict[str, tuple[dict | None, bool]]:
@@ -45,35 +46,6 @@ def variants() -> dict[str, tuple[dict | None, bool]]:
         "STEPQuant @4": ({**sq, "state_bits": 4}, False),
         "STEPQuant @6 + OSCAR INT2 attention": ({**sq, "state_bits": 6, "artifact": str(OSCAR)}, True),
     }
-
-
-def needle_set(per_bucket: int) -> list[dict]:
-    rows = [json.loads(line) for line in (SHARED / "eval" / "needles-dev.jsonl").open()]
-    chosen = []
-    for lo, hi, _ in BUCKETS:
-        chosen += [r for r in rows if lo <= r["prompt_tokens"] < hi][:per_bucket]
-    return chosen
-
-
-def ppl_windows(tokenizer, count: int, length: int) -> list[list[int]]:
-    text = gzip.open(SHARED / "eval" / "code-dev.txt.gz", "rt").read()
-    ids = tokenizer(text[: 400 * length * count])["input_ids"]
-    return [ids[i * length : (i + 1) * length] for i in range(count) if (i + 1) * length <= len(ids)]
-
-
-def generate_guarded(llm, prompts: list, params, wave: int) -> list:
-    """Waves of requests beside a guard request longer than any prompt: vLLM
-    lifts the per-request chunk cap when one request is left alone."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    guard = TokensPrompt(prompt_token_ids=[(7 * i) % 8000 + 10 for i in range(MAX_LEN - 8)])
-    out = []
-    for i in range(0, len(prompts), wave):
-        batch = prompts[i : i + wave]
-        res = llm.generate([guard, *batch], [SamplingParams(max_tokens=1)] + [params] * len(batch), use_tqdm=False)
-        out += res[1:]
-    return out
 
 
 def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[list[int]], args) -> dict:
@@ -97,7 +69,8 @@ def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[l
     pool = sum(layer["page_bytes"] for layer in llm.apply_model(allocated_state_bytes)[0])
     result = {"state_bytes_per_request": pool}
     if needles:
-        outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0), wave)
+        outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0),
+                                wave, GUARD)
         hits = [o.outputs[0].text.startswith(r["answer"][:4]) for o, r in zip(outs, needles)]
         result["needle_acc"] = sum(hits) / len(hits)
         result["needles"] = len(hits)
@@ -108,7 +81,7 @@ def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[l
             for lo, hi, name in BUCKETS}
     if windows:
         outs = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
-                                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), wave)
+                                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), wave, GUARD)
         nll, n = 0.0, 0
         for o, w in zip(outs, windows):
             for i, entry in enumerate(o.prompt_logprobs[1:], start=1):
@@ -173,7 +146,7 @@ def main() -> None:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(MODEL))
-        needles = needle_set(args.needles_per_bucket)
+        needles = needle_set(args.needles_per_bucket, BUCKETS)
         windows = ppl_windows(tok, args.ppl_windows, args.ppl_length)
         saved = json.loads(out.read_text()) if out.exists() else {"results": {}}
         if saved.get("args", {}).get("chunk") not in (None, args.chunk):
