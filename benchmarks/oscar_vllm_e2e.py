@@ -124,6 +124,7 @@ def main() -> None:
     p.add_argument("--label", default=None,
                    help="key of this job in the JSON (default: the prompt length, '-graphs' with --cuda-graphs)")
     p.add_argument("--json", default=None)
+    p.add_argument("--timeout-s", type=float, default=None, help="time limit of each backend's run")
     args = p.parse_args()
     out = Path(args.json or (Path(os.environ["OUT"]) / "oscar_vllm_e2e.json" if "OUT" in os.environ
                              else Path(__file__).parent / "results" / "oscar_vllm_e2e.json"))
@@ -140,9 +141,15 @@ def main() -> None:
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                 if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")] + (
                 ["--cuda-graphs"] if args.cuda_graphs else [])
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-            job[name] = json.loads(lines[-1][7:]) if lines else {"error": proc.stderr[-2000:]}
+            try:
+                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
+                stdout, stderr = proc.stdout, proc.stderr
+            except subprocess.TimeoutExpired as e:  # keep the other backend's run and this one's progress
+                stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+                stderr = f"timed out after {args.timeout_s} s"
+            lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+            progress = [x for x in stdout.splitlines() if x.startswith("PROGRESS ")]
+            job[name] = json.loads(lines[-1][7:]) if lines else {"error": stderr[-2000:], "progress": progress[-1:]}
             print(name, job[name], flush=True)
         if "decode_tokens_per_s" in job["oscar"] and "decode_tokens_per_s" in job["bf16"]:
             for key in ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "prefill_tokens_per_s",

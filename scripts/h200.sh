@@ -42,12 +42,12 @@ if [[ $steps == *" graphs "* ]]; then
   [ -f "$OUT/cuda_graph_check.json" ] && cat "$OUT/cuda_graph_check.json" || tail -40 "$OUT/cuda_graph_check.log"
 fi
 if [[ $steps == *" e2e "* ]]; then
-  timeout 540 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
-    --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
+  timeout 560 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
+    --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
 fi
 if [[ $steps == *" e2e-graphs "* ]]; then
-  timeout 540 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
-    --cuda-graphs --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e graphs rc=$?"
+  timeout 560 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 18 --gpu-mem 0.15 \
+    --cuda-graphs --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e graphs rc=$?"
 fi
 if [[ $steps == *" state "* ]]; then
   timeout 570 python3 scripts/cuda_state_check.py --budget-s 520 > "$OUT/cuda_state_check.log" 2>&1
