@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MODELS = REPO / "examples" / "models"
@@ -13,6 +14,11 @@ EVAL = REPO.parent / "shared" / "eval"
 
 os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run in Triton's interpreter. Triton picks
+    # the mode when a kernel is defined, so this must hold before any test
+    # module (collected in any order) imports a kernel module.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def model_path(name: str = "house-qwen3") -> str:
