@@ -666,7 +666,8 @@ def needle_lines(*models: str) -> list[str]:
 FINDINGS: list[str] = [  # the section's conclusions, written from the numbers above
     "* **The simulation reproduces vLLM.** On accuracy.py's two windows it gives the vLLM perplexities to "
     "0.001 (OSCAR per-KV-head: +5.40% vs +5.39% on house-qwen3, +4.96% vs +4.97% on house-qwen2), and its "
-    "needle hits (6 per bucket) equal vLLM's in every length bucket (house-qwen2: fp32 23/24, OSCAR 21/24). Over four windows OSCAR INT2 costs +4.1% / +4.2%, on the held-out windows +3.8% / +3.6%: "
+    "needle hits (6 per bucket) equal vLLM's in every length bucket (fp32 19/24 and 23/24, OSCAR 20/24 and "
+    "21/24). Over four windows OSCAR INT2 costs +4.1% / +4.2%, on the held-out windows +3.8% / +3.6%: "
     "the two-window vLLM figures sit at the high end of the window-to-window spread.",
     "* **Keys carry three quarters of the error, and one KV head most of it.** Keys alone at INT2: +3.2% / "
     "+3.0%; values alone: +0.9% / +1.0%. One layer dominates in each model (house-qwen3 layer 5 alone "
@@ -676,7 +677,7 @@ FINDINGS: list[str] = [  # the section's conclusions, written from the numbers a
     "* **Tiered eigenbasis mixes meet the perplexity target in simulation, with one page size.** "
     "`k4x48/v4x16-2x48-d64` (2.5 bits/element, 80 B per token and KV head against 72 B for OSCAR INT2): "
     "+0.72% / +0.43% on windows 0-3 (worst single window +1.0% / +0.7%) and +0.94% / +0.59% on the held-out "
-    "windows; house-qwen2 needles 24/24 against fp32 23/24. What pays for the keys' INT4 tier is not storing "
+    "windows; needles 19/24 and 24/24 against fp32 19/24 and 23/24 (100% and 104%). What pays for the keys' INT4 tier is not storing "
     "the values' weakest directions: the value-target spectrum is steep (the strongest 32 of 128 directions "
     "hold 83-98% of it), so a calibrated mean replaces the weakest 64 (or 96) at less error than INT2. Keys do "
     "not allow it: the same cut on keys (`k4x32-d32`) is worse than plain INT2 keys.",
