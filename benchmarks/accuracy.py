@@ -217,6 +217,10 @@ def write_markdown(path: Path) -> None:
         "more of BF16, on both models) is not reached.",
         "",
     ]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from kv_mix_screen import markdown_section  # Part 2 screening, from its saved JSON
+
+    lines += markdown_section()
     timing = REPO / "benchmarks" / "results" / "calibration-time.json"
     if timing.exists():
         lines += [
