@@ -43,6 +43,8 @@ def variants(model: str) -> dict[str, dict | None]:
         "KIVI-style keys with int8 pairs + OSCAR values": {"scheme": "kivi", "key_pairs": "int8",
                                                            "artifact": f"{art}-oscar"},
         "OSCAR, per-KV-head rotation, G=64": {"artifact": f"{art}-oscar", "group_size": 64},
+        "OSCAR tiers: K 48x4 + 80x2, V 16x4 + 48x2 + 64 not stored": {"scheme": "tiered",
+                                                                       "artifact": f"{art}-tiered"},
     }
 
 
@@ -54,7 +56,8 @@ def bits_per_element(kvq: dict | None, head_size: int = 128) -> float:
     from vllm_kvq.kernels.formats import page_format
     from vllm_kvq.settings import OscarSettings
 
-    fmt = page_format(head_size, 128, OscarSettings(**{k: v for k, v in kvq.items() if k != "artifact"}))
+    keep = {k: v for k, v in kvq.items() if k != "artifact" or kvq.get("scheme") == "tiered"}  # tiers: from the artifact
+    fmt = page_format(head_size, 128, OscarSettings(**keep))
     return 8.0 * fmt.bytes_per_token / (2 * head_size)
 
 

@@ -16,7 +16,7 @@ KERNELS = ("auto", "reference", "triton")
 STATE_POOLS = ("stepquant", "uniform")
 STEPQUANT_BITS = (6, 4)
 UNIFORM_BITS = (4, 6, 8, 16)
-SCHEMES = ("oscar", "kivi")
+SCHEMES = ("oscar", "kivi", "tiered")
 
 
 class SettingsError(ValueError):
@@ -61,7 +61,9 @@ class OscarSettings:
     scheme: str = "oscar"
     """``oscar``: rows quantized per token (keys after rotation). ``kivi``: keys
     unrotated and quantized per channel over ``key_group`` positions, values per
-    token (rotated only if a rotation is asked for); PyTorch reference ops only."""
+    token (rotated only if a rotation is asked for); PyTorch reference ops only.
+    ``tiered``: each rotated row cut into tiers of directions at 4, 2 or 0 bits,
+    as the artifact says (``vllm-kvq calibrate --tiers``); reference ops only."""
 
     key_group: int = 32
     """``kivi`` only: positions sharing one per-channel key (scale, min) pair."""
@@ -116,6 +118,11 @@ class OscarSettings:
             self._validate_kivi()
         if self.kernels not in KERNELS:
             raise SettingsError(f"kvq.kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.scheme == "tiered" and (self.rotation_mode != "artifact" or self.group_size != 128):
+            raise SettingsError(
+                "kvq.scheme 'tiered' takes its tiers and rotations from kvq.artifact (made with "
+                "`vllm-kvq calibrate --tiers ...`): drop kvq.rotation and kvq.group_size"
+            )
         if self.rotation_mode == "artifact" and not self.artifact:
             raise SettingsError(
                 "kvq.rotation='artifact' needs kvq.artifact=<dir> "

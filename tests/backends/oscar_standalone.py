@@ -30,8 +30,13 @@ def naive_int2(rows: torch.Tensor, group: int, clip: float) -> torch.Tensor:
 
 
 class OscarStandalone:
-    def __init__(self, model_dir: str, artifact, sink: int, window: int, group: int):
+    """``codec(kind, layer, kv_head, rows)``: the rows a reader sees (default:
+    :func:`naive_int2` per group with the artifact's clip ratios)."""
+
+    def __init__(self, model_dir: str, artifact, sink: int, window: int, group: int, codec=None):
         self.art, self.sink, self.window, self.group = artifact, sink, window, group
+        self.codec = codec or (lambda kind, layer, head, rows: naive_int2(
+            rows, group, (artifact.k_clip if kind == "k" else artifact.v_clip)[layer]))
         name = "kvq_oscar_standalone"
         AttentionInterface.register(name, self._attention)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name)
@@ -54,8 +59,8 @@ class OscarStandalone:
             q = query[0, h].float() @ rk[j]
             k = (key[0, j].float() @ rk[j]).bfloat16().float()
             v = (value[0, j].float() @ rv[j]).bfloat16().float()
-            k_lo = naive_int2(k, self.group, self.art.k_clip[layer])
-            v_lo = naive_int2(v, self.group, self.art.v_clip[layer])
+            k_lo = self.codec("k", layer, j, k)
+            v_lo = self.codec("v", layer, j, v)
             logits = torch.where(use_bf16, q @ k.T, q @ k_lo.T) * scaling
             logits = logits.masked_fill(dist < 0, float("-inf"))
             p = torch.softmax(logits, dim=-1)

@@ -34,6 +34,7 @@ from vllm_kvq.kernels import formats
 from vllm_kvq.kernels.kivi import reference as kivi
 from vllm_kvq.kernels.oscar import reference
 from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.tiered import reference as tiered
 
 logger = init_logger("vllm." + __name__)
 
@@ -287,6 +288,7 @@ class OscarImpl(AttentionImpl):
         if self.settings.scheme == "kivi":  # per-channel keys: a key rotation would mix the channels
             self.k_rotation = torch.eye(self.head_size).expand_as(self.k_rotation).contiguous()
         self.v_rotation = self.artifact.rotation_for("v", idx, heads)
+        self.fills = {kind: self.artifact.fill_for(kind, idx, heads) for kind in "kv"}  # tiered: 0-bit tiers
         self.k_clip = self.artifact.k_clip[idx]
         self.v_clip = self.artifact.v_clip[idx]
         self.k_identity = bool(torch.equal(self.k_rotation, torch.eye(self.head_size).expand_as(self.k_rotation)))
@@ -342,6 +344,9 @@ class OscarImpl(AttentionImpl):
         if self.settings.scheme == "kivi":
             self._forward_kivi(q, k, v, kv_cache, fmt, md, out)
             return output
+        if self.settings.scheme == "tiered":
+            self._forward_tiered(q, k, v, kv_cache, fmt, md, out)
+            return self._unrotated(output, n)
         pages = reference.PageViews(kv_cache, fmt)
         if not self.k_identity:
             k = self._rotate(k, self.k_rotation)
@@ -367,6 +372,22 @@ class OscarImpl(AttentionImpl):
                 continue
             res = kivi.attend_and_write(pages, fmt, md.block_table[i], seq_len - (end - start),
                                         q[start:end], k[start:end], v[start:end], self.v_clip, self.scale)
+            out[start:end] = res.to(out.dtype)
+
+    def _forward_tiered(self, q, k, v, kv_cache, fmt, md, out) -> None:
+        """Rows cut into the artifact's tiers (reference ops only)."""
+        pages = tiered.TieredPages(kv_cache, fmt)
+        fills = {kind: None if f is None else f.to(q.device) for kind, f in self.fills.items()}
+        if not self.k_identity:
+            k = self._rotate(k, self.k_rotation)
+        qsl = md.query_start_loc
+        for i, seq_len in enumerate(md.seq_lens):
+            start, end = qsl[i], qsl[i + 1]
+            if end == start:
+                continue
+            res = tiered.attend_and_write(pages, fmt, md.block_table[i], seq_len - (end - start),
+                                          q[start:end], k[start:end], v[start:end], self.k_clip, self.v_clip,
+                                          self.scale, fills["k"], fills["v"])
             out[start:end] = res.to(out.dtype)
 
     def _unrotated(self, output: torch.Tensor, n: int) -> torch.Tensor:

@@ -27,17 +27,22 @@ def check_oscar_config(vllm_config) -> None:
             "blocks of hybrid models (about 1K tokens, sized to the GDN state); serve this model with "
             "--additional-config '{\"kvq\": {\"kernels\": \"reference\"}}'"
         )
-    if s.scheme == "kivi" and uses_triton(s, torch.device(current_platform.device_type)):
+    if s.scheme in ("kivi", "tiered") and uses_triton(s, torch.device(current_platform.device_type)):
         raise ValueError(
-            "kvq.scheme 'kivi' (per-channel key groups) is a reference point built only in the "
-            "PyTorch reference ops, not the Triton kernels; serve it with "
-            "--additional-config '{\"kvq\": {\"scheme\": \"kivi\", \"kernels\": \"reference\"}}'"
+            f"kvq.scheme '{s.scheme}' is built only in the PyTorch reference ops, not the Triton "
+            "kernels; serve it with --additional-config "
+            f"'{{\"kvq\": {{\"scheme\": \"{s.scheme}\", \"kernels\": \"reference\", ...}}}}'"
         )
     if cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
         raise ValueError(
             f"OSCAR stores its own INT2 format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
         )
     artifact = resolve_artifact(s, model_config.hf_config)
+    if artifact.tiers and s.scheme != "tiered":
+        raise ValueError(
+            f"artifact {artifact.source} was calibrated with tiers {artifact.tiers}; serve it with "
+            "--additional-config '{\"kvq\": {\"scheme\": \"tiered\", \"artifact\": ...}}'"
+        )
     fmt = page_format(head_dim(text_config(model_config.hf_config)), cache_config.block_size, s)
     if cache_config.enable_prefix_caching:
         logger.warning(
