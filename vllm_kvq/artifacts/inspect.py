@@ -26,6 +26,14 @@ def summary(art: OscarArtifact) -> str:
         f"rotations: {art.granularity} granularity over {len(art.layers)} attention layers {art.layers}",
         f"calibrated with group={art.group_size} sink={art.sink} window={art.window}",
     ]
+    if art.tiers is not None:
+        d = art.head_dim
+        desc = "; ".join(f"{kind}=" + ",".join(f"{w}x{b}" for w, b in art.tiers[kind]) for kind in ("k", "v"))
+        bits = {kind: sum(w * b for w, b in art.tiers[kind]) / d for kind in ("k", "v")}
+        zero = ", ".join(f"{kind}_fill [{art.num_kv_heads}, {sum(w for w, b in art.tiers[kind] if b == 0)}]"
+                         for kind in ("k", "v") if any(b == 0 for _, b in art.tiers[kind])) or "none"
+        lines.append(f"tiers: {desc} (payload K {bits['k']:.2f} + V {bits['v']:.2f} bits/element before "
+                     f"scales); 0-bit fills: {zero}")
     prov = {k: v for k, v in art.provenance.items() if k != "clip_fit"}
     if prov:
         lines.append(f"provenance: {prov}")

@@ -8,7 +8,10 @@ KV head, so activations are never kept:
 * ``cq``: query covariance, grouped for GQA (Σ qᵀq over the KV head's queries);
 * ``cs``: attention-output covariance ``Vᵀ SᵀS V`` (the exact value target);
 * ``cv``: score-weighted value covariance ``Vᵀ diag(k C_Q kᵀ) V`` (the proxy;
-  needs C_Q, so it takes a second pass).
+  needs C_Q, so it takes a second pass);
+* ``k_sum``/``v_sum``: first moments of the unrotated key and value rows at
+  positions ``>= sink`` (``n_mean`` rows), gathered in the covariance pass;
+  their means fill the 0-bit tiers of a tiered artifact.
 
 The last window is held out: its rotated-space inputs are kept (one window
 per layer) to fit clip ratios on tokens the covariances never saw.
@@ -29,23 +32,28 @@ class LayerStats:
     cq: torch.Tensor  # [Hkv, D, D] fp64
     cs: torch.Tensor
     cv: torch.Tensor
+    k_sum: torch.Tensor | None = None  # [Hkv, D] fp64, rows at positions >= sink
+    v_sum: torch.Tensor | None = None
     n_q: int = 0
     n_kv: int = 0
+    n_mean: int = 0  # rows per KV head in k_sum / v_sum
     held_out: dict = field(default_factory=dict)  # q, k, v of one window, fp32, [H, T, D]
 
 
 class StatsCollector:
     """The attention function transformers calls; accumulates per layer."""
 
-    def __init__(self, num_kv_heads: int, head_dim: int):
+    def __init__(self, num_kv_heads: int, head_dim: int, sink: int = 64):
         self.h, self.d = num_kv_heads, head_dim
+        self.sink = sink
         self.layers: dict[int, LayerStats] = {}
         self.mode = "covariance"  # or "proxy" (second pass) or "hold_out"
 
     def stats(self, layer: int, device) -> LayerStats:
         if layer not in self.layers:
             z = torch.zeros(self.h, self.d, self.d, dtype=torch.float64, device=device)
-            self.layers[layer] = LayerStats(z.clone(), z.clone(), z.clone())
+            m = torch.zeros(self.h, self.d, dtype=torch.float64, device=device)
+            self.layers[layer] = LayerStats(z.clone(), z.clone(), z.clone(), m.clone(), m.clone())
         return self.layers[layer]
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -61,6 +69,9 @@ class StatsCollector:
             st.cq += q64.transpose(1, 2) @ q64
             st.cs += o64.transpose(1, 2) @ o64
             st.n_q += g * t
+            st.k_sum += k64[:, self.sink:].sum(1)
+            st.v_sum += v64[:, self.sink:].sum(1)
+            st.n_mean += max(t - self.sink, 0)
         elif self.mode == "proxy":
             c_q = st.cq / max(st.n_q, 1)
             w = torch.einsum("htd,hde,hte->ht", k64, c_q, k64)  # E_q[(q·k_t)^2]

@@ -6,16 +6,26 @@ import torch
 
 from vllm_kvq.artifacts import OscarArtifact
 from vllm_kvq.calib.capture import LayerStats
-from vllm_kvq.calib.rotation import oscar_rotation
+from vllm_kvq.artifacts.schema import Tiers, zero_columns, zero_width
+from vllm_kvq.calib.rotation import oscar_rotation, tiered_rotation
 from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_probs
 
 CLIP_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8)
 
 
-def rotations(stats: LayerStats, granularity: str, value_target: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """R_K and R_V for one layer: ``[D, D]`` (layer) or ``[H, D, D]`` (kv_head)."""
+def rotations(stats: LayerStats, granularity: str, value_target: str, tiers: Tiers | None = None,
+              layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """R_K and R_V for one layer: ``[D, D]`` (layer) or ``[H, D, D]`` (kv_head);
+    with ``tiers`` (kv_head only), tiered rotations of the same covariances."""
     v_cov = {"exact": stats.cs, "proxy": stats.cv}[value_target]
-    if granularity == "layer":
+    if tiers is not None:
+        if granularity != "kv_head":
+            raise ValueError("tiered rotations need granularity kv_head")
+        pairs_k = [tiered_rotation(c.cpu(), tiers["k"], layer, h) for h, c in enumerate(stats.cq)]
+        pairs_v = [tiered_rotation(c.cpu(), tiers["v"], layer, h) for h, c in enumerate(v_cov)]
+        rk, ek = torch.stack([p[0] for p in pairs_k]), torch.stack([p[1] for p in pairs_k])
+        rv, ev = torch.stack([p[0] for p in pairs_v]), torch.stack([p[1] for p in pairs_v])
+    elif granularity == "layer":
         rk, ek = oscar_rotation(stats.cq.mean(0).cpu())
         rv, ev = oscar_rotation(v_cov.mean(0).cpu())
     else:
@@ -24,6 +34,21 @@ def rotations(stats: LayerStats, granularity: str, value_target: str) -> tuple[t
         rk, ek = torch.stack([p[0] for p in pairs_k]), torch.stack([p[1] for p in pairs_k])
         rv, ev = torch.stack([p[0] for p in pairs_v]), torch.stack([p[1] for p in pairs_v])
     return rk, rv, {"k_eigenvalues": ek, "v_eigenvalues": ev}
+
+
+def fills(stats: LayerStats, rk: torch.Tensor, rv: torch.Tensor, tiers: Tiers) -> dict[str, torch.Tensor]:
+    """Per kind with a 0-bit tier: ``[H, width0]`` fp32 = mean row (positions >= sink)
+    times the stored rotation's 0-bit columns."""
+    out = {}
+    for kind, r, total in (("k", rk, stats.k_sum), ("v", rv, stats.v_sum)):
+        if zero_width(tiers[kind]):
+            if not stats.n_mean:
+                raise ValueError("no calibration rows past the sink to take the 0-bit tiers' mean from; "
+                                 "use a --seq-len longer than --sink")
+            mean = total.cpu() / stats.n_mean  # [H, D] fp64
+            cols = r.double()[:, :, zero_columns(tiers[kind])]  # [H, D, width0]
+            out[kind] = (mean.unsqueeze(1) @ cols).squeeze(1).float()
+    return out
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -70,13 +95,17 @@ def fit_clip(held: dict, rk, rv, group: int, sink: int, window: int) -> tuple[fl
 
 def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity: str, value_target: str,
                    clip: str, k_clip: float, v_clip: float, group: int, sink: int, window: int,
-                   provenance: dict) -> OscarArtifact:
+                   provenance: dict, tiers: Tiers | None = None) -> OscarArtifact:
     ks, vs, kc, vc, report = {}, {}, {}, {}, {}
     spectra = {"k": {}, "v": {}}
+    fill = {}
     for idx in sorted(layers):
         st = layers[idx]
-        rk, rv, ev = rotations(st, granularity, value_target)
+        rk, rv, ev = rotations(st, granularity, value_target, tiers, idx)
         ks[idx], vs[idx] = rk, rv
+        if tiers is not None:
+            for kind, f in fills(st, rk, rv, tiers).items():
+                fill.setdefault(kind, {})[idx] = f
         spectra["k"][idx], spectra["v"][idx] = ev["k_eigenvalues"], ev["v_eigenvalues"]
         if clip == "fitted":
             kc[idx], vc[idx], errors = fit_clip(st.held_out, rk, rv, group, sink, window)
@@ -91,4 +120,5 @@ def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity
         fingerprint=fingerprint, head_dim=fingerprint["head_dim"], num_kv_heads=fingerprint["num_key_value_heads"],
         layers=sorted(layers), granularity=granularity, k_rotation=ks, v_rotation=vs, k_clip=kc, v_clip=vc,
         group_size=group, sink=sink, window=window, provenance=prov, eigenvalues=spectra,
+        tiers=tiers, fill=fill,
     )

@@ -4,6 +4,12 @@ U are the eigenvectors of the target covariance (queries for keys, attention
 outputs or score-weighted values for values), H the orthonormal Sylvester
 Hadamard matrix and P_br the eigenvalue-sorted bit-reversal permutation, which
 spreads the strongest directions across quantization groups.
+
+A tiered rotation (``--tiers``) keeps the eigen-directions in descending
+eigenvalue order and cuts them into tiers ``[(width, bits), ...]``; each stored
+tier is mixed among itself by an orthogonal spreader S_i, so
+``R = [U_1 S_1 | U_2 S_2 | ...]`` with U_i the tier's eigenvectors. A 0-bit
+tier (not stored) keeps its eigenvectors as they are.
 """
 
 from __future__ import annotations
@@ -28,8 +34,8 @@ def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
     return torch.eye(d, dtype=torch.float64)[:, perm]
 
 
-def oscar_rotation(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(R, eigenvalues)`` for a symmetric ``[D, D]`` covariance (fp64 math)."""
+def _eigh(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ascending eigenvalues and eigenvectors of a symmetric matrix (fp64)."""
     c = cov.double()
     c = (c + c.T) / 2
     threads = torch.get_num_threads()
@@ -38,6 +44,45 @@ def oscar_rotation(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         evals, evecs = torch.linalg.eigh(c)
     finally:
         torch.set_num_threads(threads)
-    d = c.shape[0]
+    return evals, evecs
+
+
+def oscar_rotation(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, eigenvalues)`` for a symmetric ``[D, D]`` covariance (fp64 math)."""
+    evals, evecs = _eigh(cov)
+    d = evecs.shape[0]
     rot = evecs @ hadamard(d).double() @ bit_reversal_permutation(evals)
     return rot.float(), evals.float()
+
+
+def spreader(n: int, seed: int) -> torch.Tensor:
+    """An ``n x n`` orthogonal mixer (fp64): the normalized Sylvester Hadamard
+    when n is a power of two, else a seeded random orthogonal matrix (QR of a
+    normal matrix, signs fixed so that R has a positive diagonal)."""
+    if n & (n - 1) == 0:
+        return hadamard(n).double()
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(n, n, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def tier_seed(layer: int, head: int, tier: int) -> int:
+    return 1000 * layer + 10 * head + tier
+
+
+def tiered_rotation(cov: torch.Tensor, tiers: list[tuple[int, int]], layer: int,
+                    head: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, eigenvalues)``: columns ``[U[:, s_i:s_i+w_i] @ S_i ...]`` over the tiers,
+    U the eigenvectors in descending eigenvalue order, S_i the spreader of tier
+    i (seed ``1000*layer + 10*head + i``; identity for a 0-bit tier).
+    Eigenvalues as :func:`oscar_rotation` returns them (ascending)."""
+    evals, evecs = _eigh(cov)
+    u = evecs[:, torch.argsort(evals, descending=True)]
+    cols, start = [], 0
+    for i, (width, bits) in enumerate(tiers):
+        block = u[:, start:start + width]
+        cols.append(block @ spreader(width, tier_seed(layer, head, i)) if bits else block)
+        start += width
+    if start != u.shape[0]:
+        raise ValueError(f"tier widths {tiers} sum to {start}, not head_dim {u.shape[0]}")
+    return torch.cat(cols, dim=1).float(), evals.float()
