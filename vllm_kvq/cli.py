@@ -89,6 +89,9 @@ def calibrate(argv: list[str]) -> None:
             if a.granularity != "kv_head":
                 raise ArtifactError("--tiers needs --granularity kv_head (each KV head's own eigenbasis is cut "
                                     f"into tiers); drop --granularity {a.granularity}")
+            if a.clip == "fitted":
+                raise ArtifactError("--clip fitted fits one clip ratio per layer to whole INT2 rows, not to "
+                                    "tiers; drop --clip fitted with --tiers")
             tiers = parse_tiers(a.tiers)
         out = run(a.model, a.data, a.out, tokens=30000 if a.tokens is None else a.tokens, seq_len=a.seq_len,
                   granularity=a.granularity, value_target=a.value_target, clip=a.clip, k_clip=a.k_clip,

@@ -136,6 +136,7 @@ def test_manifest_and_inspect_show_tiers(tiered):
     (["--tiers", "k=48x3,80x2;v=16x4,48x2,64x0"], "k tier 48x3 has 3 bits; bits must be one of \\[0, 2, 4\\]"),
     (["--tiers", "k=12x4,116x2;v=16x4,48x2,64x0"], "width 12; widths must be positive multiples of 8"),
     (["--tiers", TIERS, "--granularity", "layer"], "--tiers needs --granularity kv_head.*drop --granularity layer"),
+    (["--tiers", TIERS, "--clip", "fitted"], "drop --clip fitted with --tiers"),
 ])
 def test_bad_tiers_fail_with_the_fix(tmp_path, extra, match):
     import re

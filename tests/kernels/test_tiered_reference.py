@@ -25,7 +25,7 @@ def test_worked_size():
 
 
 @pytest.mark.parametrize("tiers, message", [
-    (((48, 4), (72, 2)), "cover the head size"),
+    (((48, 4), (72, 2)), "sum to 120, not head_dim 128"),
     (((48, 3), (80, 2)), "bits must be one of"),
     (((44, 4), (84, 2)), "multiples of 8"),
 ])

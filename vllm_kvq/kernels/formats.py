@@ -8,7 +8,7 @@ from pathlib import Path
 
 from vllm_kvq.kernels.kivi.format import KiviFormat
 from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.tiered.format import TieredFormat, parse_tiers
+from vllm_kvq.kernels.tiered.format import TieredFormat
 
 
 @functools.lru_cache(maxsize=8)
@@ -19,7 +19,7 @@ def artifact_tiers(artifact: str) -> dict | None:
     if not manifest.is_file():
         return None
     tiers = json.loads(manifest.read_text()).get("tiers")
-    return {kind: parse_tiers(t) for kind, t in tiers.items()} if tiers else None
+    return {kind: tuple((int(w), int(b)) for w, b in t) for kind, t in tiers.items()} if tiers else None
 
 
 def page_format(head_size: int, block_size: int, s) -> OscarFormat:

@@ -33,25 +33,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm_kvq.artifacts.schema import check_tiers
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
 Tiers = tuple[tuple[int, int], ...]
-TIER_BITS = (0, 2, 4)
-
-
-def parse_tiers(raw) -> Tiers:
-    """``[[48, 4], [80, 2]]`` (artifact JSON) -> ``((48, 4), (80, 2))``."""
-    return tuple((int(w), int(b)) for w, b in raw)
-
-
-def check_tiers(tiers: Tiers, head_size: int, kind: str) -> None:
-    if sum(w for w, _ in tiers) != head_size:
-        raise ValueError(f"{kind} tiers {list(tiers)} must cover the head size {head_size} exactly")
-    for w, b in tiers:
-        if b not in TIER_BITS:
-            raise ValueError(f"{kind} tier ({w}, {b}): bits must be one of {TIER_BITS}")
-        if w <= 0 or w % 8:
-            raise ValueError(f"{kind} tier ({w}, {b}): widths must be positive multiples of 8")
 
 
 def stored(tiers: Tiers) -> list[tuple[int, int, int]]:
@@ -76,8 +61,7 @@ class TieredFormat(OscarFormat):
     v_tiers: Tiers = ()
 
     def __post_init__(self) -> None:
-        check_tiers(self.k_tiers, self.head_size, "key")
-        check_tiers(self.v_tiers, self.head_size, "value")
+        check_tiers({"k": list(self.k_tiers), "v": list(self.v_tiers)}, self.head_size, "tiered format")
         super().__post_init__()
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvq.kernels.oscar import reference as oscar
-from vllm_kvq.kernels.tiered.format import Tiers, TieredFormat, code_bytes, stored
+from vllm_kvq.kernels.tiered.format import Tiers, TieredFormat, stored
 
 # ---------------------------------------------------------------------------
 # Row codec
@@ -68,10 +68,6 @@ def dequantize_tiers(codes: torch.Tensor, pairs: torch.Tensor, tiers: Tiers,
         at += nbytes
         i += 1
     return torch.cat(parts, dim=-1)
-
-
-def fill_width(tiers: Tiers) -> int:
-    return sum(w for w, b in tiers if b == 0)
 
 
 # ---------------------------------------------------------------------------
