@@ -693,9 +693,10 @@ FINDINGS: list[str] = [  # the section's conclusions, written from the numbers a
     "* **Not enough on their own:** 16 INT4 key directions (`mix-k16`, +2.3% / +2.0%), 16 INT4 value "
     "directions (`mix-v16`), 32 INT3 key directions (`k3x32`), and ordering key directions by logit variance "
     "instead of query energy (`@logit`: no better).",
-    "* **Not yet measured in vLLM.** The tiers need a page format with per-tier code regions, INT4 packing and "
-    "the stored means of unstored value directions; until that exists these rows are simulation only. "
-    "Differences under about 0.2% between plans, and needle counts of 24 prompts, are within noise.",
+    "* **Served in vLLM.** The two tiered plans run as `scheme: \"tiered\"` (reference ops; page format in "
+    "`vllm_kvq/kernels/tiered/format.py`) with artifacts from `vllm-kvq calibrate --tiers ...`: their rows in the "
+    "model tables above are vLLM measurements. Differences under about 0.2% between plans, and needle counts "
+    "of 24 prompts, are within noise.",
 ]
 
 
