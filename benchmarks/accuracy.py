@@ -6,10 +6,11 @@ the cache as a generated token would. Writes
 ``benchmarks/results/accuracy-<model>.json`` and ``docs/accuracy.md`` (every
 model's table).
 
-    python benchmarks/accuracy.py                      # house-qwen3's table in docs/accuracy.md
-    python benchmarks/accuracy.py --model examples/models/house-qwen2 \
-        --tokenizer examples/models/house-qwen2/tokenizer
+    python benchmarks/accuracy.py                      # both house models' tables in docs/accuracy.md
+    python benchmarks/accuracy.py --model examples/models/house-qwen2 --variants NAME ...
     python benchmarks/accuracy.py --render-only        # docs/accuracy.md from the saved JSON
+
+A model directory with a ``tokenizer/`` folder (house-qwen2) uses that tokenizer.
 """
 
 from __future__ import annotations
@@ -170,9 +171,11 @@ def write_markdown(path: Path) -> None:
         "length bucket, hit = greedy continuation starts with `answer[:4]`. Perplexity: windows of 4000 "
         "tokens of `code-dev.txt.gz`, from `prompt_logprobs`.",
         "",
-        "Regenerate a model's table: `python benchmarks/accuracy.py --model examples/models/MODEL` "
-        "(house-qwen2 also needs `--tokenizer examples/models/house-qwen2/tokenizer`); the numbers below "
-        "are from that command with its defaults.",
+        "Regenerate both models' tables: `python benchmarks/accuracy.py` (one model: `--model "
+        "examples/models/MODEL`; some rows: `--variants NAME ...`); the numbers below are from that "
+        "command with its defaults. The Part 2 screening section comes from `benchmarks/kv_mix_screen.py`, "
+        "the calibration times from `benchmarks/calibration_time.py`; `--render-only` rewrites this page "
+        "from the saved results.",
         "",
     ]
     for f in sorted((REPO / "benchmarks" / "results").glob("accuracy-*.json")):
@@ -260,21 +263,9 @@ def write_markdown(path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=str(REPO / "examples" / "models" / "house-qwen3"))
-    ap.add_argument("--dtype", default="float32", help="float32 runs 2x faster than bf16 on CPUs without bf16 units")
-    ap.add_argument("--tokenizer", help="tokenizer directory, if not the model's (house-qwen2)")
-    ap.add_argument("--chunk", type=int, default=64)
-    ap.add_argument("--needles-per-bucket", type=int, default=6)
-    ap.add_argument("--ppl-windows", type=int, default=2)
-    ap.add_argument("--variants", nargs="*", help="default: all rows of variants()")
-    ap.add_argument("--markdown", default=str(REPO / "docs" / "accuracy.md"))
-    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the saved JSON")
-    args = ap.parse_args()
-    if args.render_only:
-        write_markdown(Path(args.markdown))
-        return
+def run_model(args: argparse.Namespace) -> None:
+    """Every variant of ``args.variants`` (default all) on one model; rows are
+    merged into its saved JSON."""
     rows = variants(args.model)
     args.variants = args.variants or list(rows)
     args.json = str(REPO / "benchmarks" / "results" / f"accuracy-{Path(args.model).name}.json")
@@ -294,6 +285,26 @@ def main() -> None:
         results = json.loads(saved.read_text())["results"] if saved.exists() else results
         results[name] = result
         saved.write_text(json.dumps({"args": vars(args), "results": results}, indent=2) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="repeatable; default: house-qwen3 and house-qwen2")
+    ap.add_argument("--dtype", default="float32", help="float32 runs 2x faster than bf16 on CPUs without bf16 units")
+    ap.add_argument("--chunk", type=int, default=64)
+    ap.add_argument("--needles-per-bucket", type=int, default=6)
+    ap.add_argument("--ppl-windows", type=int, default=2)
+    ap.add_argument("--variants", nargs="*", help="default: all rows of variants()")
+    ap.add_argument("--markdown", default=str(REPO / "docs" / "accuracy.md"))
+    ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the saved JSON")
+    args = ap.parse_args()
+    if args.render_only:
+        write_markdown(Path(args.markdown))
+        return
+    for model in args.model or [str(REPO / "examples" / "models" / m) for m in ("house-qwen3", "house-qwen2")]:
+        tokenizer = Path(model) / "tokenizer"
+        run_model(argparse.Namespace(**{**vars(args), "model": model,
+                                        "tokenizer": str(tokenizer) if tokenizer.is_dir() else None}))
     write_markdown(Path(args.markdown))
     print(Path(args.markdown).read_text())
 
