@@ -120,13 +120,7 @@ def read_context(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx
         k_q = dequantize_channels_int8(k_codes, pages.k_scale[blk, :, grp], step)
     else:
         k_q = dequantize_channels(k_codes, pages.k_scale[blk, :, grp])
-    has_bf16 = oscar._has_bf16_row(positions, ctx, fmt)
-    k_hi, v_hi = torch.zeros_like(k_q), torch.zeros_like(v_q)
-    if bool(has_bf16.any()):
-        sel = has_bf16.nonzero().squeeze(-1)
-        sblk, srow = oscar._state_location(block_row, positions[sel], fmt)
-        k_hi[sel] = pages.state[sblk, :, srow, 0].float()
-        v_hi[sel] = pages.state[sblk, :, srow, 1].float()
+    k_hi, v_hi, _ = oscar.read_state_rows(pages.state, fmt, block_row, ctx, k_q)
     open_start = _group_start(ctx, fmt)
     k_q[open_start:] = k_hi[open_start:]
     return k_q, v_q, k_hi, v_hi
@@ -182,9 +176,4 @@ def _write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int,
             codes, pairs = quantize_channels(seg)
         pages.k_codes[gblk, :, goff] = oscar.pack_codes(codes)
         pages.k_scale[gblk[0], :, goff[0] // tg] = pairs
-    keep = oscar._has_bf16_row(positions, end, fmt)
-    if bool(keep.any()):
-        sel = keep.nonzero().squeeze(-1)
-        sblk, srow = oscar._state_location(block_row, positions[sel], fmt)
-        pages.state[sblk, :, srow, 0] = k_bf[sel].to(torch.bfloat16)
-        pages.state[sblk, :, srow, 1] = v_bf[sel].to(torch.bfloat16)
+    oscar.write_state_rows(pages.state, fmt, block_row, ctx, k_bf, v_bf)

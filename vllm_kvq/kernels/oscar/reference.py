@@ -169,13 +169,21 @@ def write_request(
     pages.k_scale[blk, :, off] = ks
     pages.v_scale[blk, :, off] = vs
 
-    end = start + t
-    keep = _has_bf16_row(positions, end, fmt)
+    write_state_rows(pages.state, fmt, block_row, start, k, v)
+
+
+def write_state_rows(state: torch.Tensor, fmt: OscarFormat, block_row: torch.Tensor, start: int,
+                     k: torch.Tensor, v: torch.Tensor) -> None:
+    """BF16 copies of rows ``k, v [T, H, D]`` (positions ``start ..``) that the
+    request keeps after this chunk: its sink and last W positions (only the
+    last writer of each ring slot is stored). Shared by every page format."""
+    positions = torch.arange(start, start + k.shape[0], device=k.device)
+    keep = _has_bf16_row(positions, start + k.shape[0], fmt)
     if bool(keep.any()):
         sel = keep.nonzero().squeeze(-1)
         sblk, srow = _state_location(block_row, positions[sel], fmt)
-        pages.state[sblk, :, srow, 0] = k[sel].to(torch.bfloat16)
-        pages.state[sblk, :, srow, 1] = v[sel].to(torch.bfloat16)
+        state[sblk, :, srow, 0] = k[sel].to(torch.bfloat16)
+        state[sblk, :, srow, 1] = v[sel].to(torch.bfloat16)
 
 
 # ---------------------------------------------------------------------------
@@ -199,15 +207,24 @@ def read_context(
     k_q = dequantize_rows(unpack_codes(pages.k_codes[blk, :, off]), pages.k_scale[blk, :, off], g)
     v_q = dequantize_rows(unpack_codes(pages.v_codes[blk, :, off]), pages.v_scale[blk, :, off], g)
 
+    k_hi, v_hi, has_bf16 = read_state_rows(pages.state, fmt, block_row, ctx, k_q)
+    return k_q, v_q, k_hi, v_hi, has_bf16
+
+
+def read_state_rows(state: torch.Tensor, fmt: OscarFormat, block_row: torch.Tensor, ctx: int,
+                    like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(k_bf16, v_bf16, has_bf16) of positions ``0 .. ctx``: the BF16 rows the
+    request still holds (sink and last W positions) as fp32 ``like``-shaped
+    tensors, zero elsewhere, and their mask. Shared by every page format."""
+    positions = torch.arange(ctx, device=block_row.device)
     has_bf16 = _has_bf16_row(positions, ctx, fmt)
-    k_hi = torch.zeros_like(k_q)
-    v_hi = torch.zeros_like(v_q)
+    k_hi, v_hi = torch.zeros_like(like), torch.zeros_like(like)
     if bool(has_bf16.any()):
         sel = has_bf16.nonzero().squeeze(-1)
         sblk, srow = _state_location(block_row, positions[sel], fmt)
-        k_hi[sel] = pages.state[sblk, :, srow, 0].float()
-        v_hi[sel] = pages.state[sblk, :, srow, 1].float()
-    return k_q, v_q, k_hi, v_hi, has_bf16
+        k_hi[sel] = state[sblk, :, srow, 0].float()
+        v_hi[sel] = state[sblk, :, srow, 1].float()
+    return k_hi, v_hi, has_bf16
 
 
 def mixed_probs(

@@ -101,13 +101,7 @@ def read_context(pages: TieredPages, fmt: TieredFormat, block_row: torch.Tensor,
     blk, off = oscar._data_location(block_row, positions, fmt)
     k_q = dequantize_tiers(pages.k_codes[blk, :, off], pages.k_pairs[blk, :, off], fmt.k_tiers, k_fill)
     v_q = dequantize_tiers(pages.v_codes[blk, :, off], pages.v_pairs[blk, :, off], fmt.v_tiers, v_fill)
-    has_bf16 = oscar._has_bf16_row(positions, ctx, fmt)
-    k_hi, v_hi = torch.zeros_like(k_q), torch.zeros_like(v_q)
-    if bool(has_bf16.any()):
-        sel = has_bf16.nonzero().squeeze(-1)
-        sblk, srow = oscar._state_location(block_row, positions[sel], fmt)
-        k_hi[sel] = pages.state[sblk, :, srow, 0].float()
-        v_hi[sel] = pages.state[sblk, :, srow, 1].float()
+    k_hi, v_hi, has_bf16 = oscar.read_state_rows(pages.state, fmt, block_row, ctx, k_q)
     return k_q, v_q, k_hi, v_hi, has_bf16
 
 
@@ -119,12 +113,7 @@ def write_request(pages: TieredPages, fmt: TieredFormat, block_row: torch.Tensor
     blk, off = oscar._data_location(block_row, positions, fmt)
     pages.k_codes[blk, :, off], pages.k_pairs[blk, :, off] = k_quant
     pages.v_codes[blk, :, off], pages.v_pairs[blk, :, off] = v_quant
-    keep = oscar._has_bf16_row(positions, start + k.shape[0], fmt)
-    if bool(keep.any()):
-        sel = keep.nonzero().squeeze(-1)
-        sblk, srow = oscar._state_location(block_row, positions[sel], fmt)
-        pages.state[sblk, :, srow, 0] = k[sel].to(torch.bfloat16)
-        pages.state[sblk, :, srow, 1] = v[sel].to(torch.bfloat16)
+    oscar.write_state_rows(pages.state, fmt, block_row, start, k, v)
 
 
 def attend_and_write(pages: TieredPages, fmt: TieredFormat, block_row: torch.Tensor, ctx: int,
