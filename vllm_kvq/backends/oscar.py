@@ -341,54 +341,33 @@ class OscarImpl(AttentionImpl):
         if md.triton:
             self._forward_triton(q, k, v, kv_cache, fmt, md, out)
             return self._unrotated(output, n)
-        if self.settings.scheme == "kivi":
-            self._forward_kivi(q, k, v, kv_cache, fmt, md, out)
-            return output
-        if self.settings.scheme == "tiered":
-            self._forward_tiered(q, k, v, kv_cache, fmt, md, out)
-            return self._unrotated(output, n)
-        pages = reference.PageViews(kv_cache, fmt)
         if not self.k_identity:
             k = self._rotate(k, self.k_rotation)
+        step = self._reference_step(kv_cache, fmt, q.device)
         qsl = md.query_start_loc
         for i, seq_len in enumerate(md.seq_lens):
             start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            res = reference.attend_and_write(
-                pages, fmt, md.block_table[i], seq_len - (end - start),
-                q[start:end], k[start:end], v[start:end], self.k_clip, self.v_clip, self.scale,
-            )
-            out[start:end] = res.to(out.dtype)
+            if end > start:
+                res = step(md.block_table[i], seq_len - (end - start), q[start:end], k[start:end], v[start:end])
+                out[start:end] = res.to(out.dtype)
         return self._unrotated(output, n)
 
-    def _forward_kivi(self, q, k, v, kv_cache, fmt, md, out) -> None:
-        """The KIVI-style reference point (no rotation; reference ops only)."""
-        pages = kivi.KiviPages(kv_cache, fmt)
-        qsl = md.query_start_loc
-        for i, seq_len in enumerate(md.seq_lens):
-            start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            res = kivi.attend_and_write(pages, fmt, md.block_table[i], seq_len - (end - start),
-                                        q[start:end], k[start:end], v[start:end], self.v_clip, self.scale)
-            out[start:end] = res.to(out.dtype)
-
-    def _forward_tiered(self, q, k, v, kv_cache, fmt, md, out) -> None:
-        """Rows cut into the artifact's tiers (reference ops only)."""
-        pages = tiered.TieredPages(kv_cache, fmt)
-        fills = {kind: None if f is None else f.to(q.device) for kind, f in self.fills.items()}
-        if not self.k_identity:
-            k = self._rotate(k, self.k_rotation)
-        qsl = md.query_start_loc
-        for i, seq_len in enumerate(md.seq_lens):
-            start, end = qsl[i], qsl[i + 1]
-            if end == start:
-                continue
-            res = tiered.attend_and_write(pages, fmt, md.block_table[i], seq_len - (end - start),
-                                          q[start:end], k[start:end], v[start:end], self.k_clip, self.v_clip,
-                                          self.scale, fills["k"], fills["v"])
-            out[start:end] = res.to(out.dtype)
+    def _reference_step(self, kv_cache, fmt, device):
+        """The scheme's PyTorch reference step on one request:
+        ``(block_row, ctx, q, k, v) -> attention rows``, attending then writing."""
+        scheme = self.settings.scheme
+        if scheme == "kivi":  # keys unrotated, per channel (k_rotation is the identity)
+            pages = kivi.KiviPages(kv_cache, fmt)
+            return lambda row, ctx, q, k, v: kivi.attend_and_write(pages, fmt, row, ctx, q, k, v,
+                                                                   self.v_clip, self.scale)
+        if scheme == "tiered":
+            pages = tiered.TieredPages(kv_cache, fmt)
+            fills = {kind: None if f is None else f.to(device) for kind, f in self.fills.items()}
+            return lambda row, ctx, q, k, v: tiered.attend_and_write(
+                pages, fmt, row, ctx, q, k, v, self.k_clip, self.v_clip, self.scale, fills["k"], fills["v"])
+        pages = reference.PageViews(kv_cache, fmt)
+        return lambda row, ctx, q, k, v: reference.attend_and_write(pages, fmt, row, ctx, q, k, v,
+                                                                    self.k_clip, self.v_clip, self.scale)
 
     def _unrotated(self, output: torch.Tensor, n: int) -> torch.Tensor:
         """The R_V^T epilogue, for layers whose o_proj could not absorb R_V."""
