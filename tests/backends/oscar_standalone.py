@@ -74,3 +74,27 @@ class OscarStandalone:
         ids = torch.tensor([token_ids])
         logits = self.model(ids).logits[0].float()
         return torch.log_softmax(logits, dim=-1)
+
+
+def compare_with_standalone(outs, ref) -> dict:
+    """vLLM outputs (with ``prompt_logprobs`` and greedy tokens) against a
+    standalone model ``ref`` (``.logprobs(ids)``, ``.window``): |dlogprob| of
+    every prompt token, the same model with nothing quantized as the size of
+    the effect being checked, and greedy agreement on the generated tokens."""
+    ids_all = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
+    logprobs = [ref.logprobs(ids) for ids in ids_all]
+    window, ref.window = ref.window, 1 << 20
+    exact = [ref.logprobs(ids) for ids in ids_all]
+    ref.window = window
+    diffs, effect, agree, total = [], [], 0, 0
+    for out, lp, lx in zip(outs, logprobs, exact):
+        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
+            tok = out.prompt_token_ids[i]
+            diffs.append(abs(entry[tok].logprob - lp[i - 1, tok].item()))
+            effect.append(abs(lx[i - 1, tok].item() - lp[i - 1, tok].item()))
+        for j, tok in enumerate(out.outputs[0].token_ids):
+            total += 1
+            agree += int(lp[len(out.prompt_token_ids) - 1 + j].argmax().item() == tok)
+    diffs.sort()
+    return {"tokens": len(diffs), "mean": sum(diffs) / len(diffs), "p99": diffs[int(0.99 * len(diffs))],
+            "max": diffs[-1], "effect": sum(effect) / len(effect), "agree": agree, "total": total}

@@ -28,6 +28,7 @@ def kivi(request):
 
 def test_kivi_path_matches_standalone_pytorch(kivi, greedy):
     from tests.backends.kivi_standalone import KiviStandalone
+    from tests.backends.oscar_standalone import compare_with_standalone
     from vllm_kvq.artifacts import OscarArtifact
 
     llm, kvq = kivi
@@ -35,23 +36,9 @@ def test_kivi_path_matches_standalone_pytorch(kivi, greedy):
     ref = KiviStandalone(model_path(), kvq["sink"], kvq["window"], 128, kvq.get("key_pairs", "fp16"), art)
     prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
     outs = llm.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
-    ids_all = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [ref.logprobs(ids) for ids in ids_all]
-    ref.window = 1 << 20  # nothing quantized: the size of the effect being checked
-    exact = [ref.logprobs(ids) for ids in ids_all]
-    diffs, effect, agree, total = [], [], 0, 0
-    for out, lp, lx in zip(outs, logprobs, exact):
-        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
-            tok = out.prompt_token_ids[i]
-            diffs.append(abs(entry[tok].logprob - lp[i - 1, tok].item()))
-            effect.append(abs(lx[i - 1, tok].item() - lp[i - 1, tok].item()))
-        for j, tok in enumerate(out.outputs[0].token_ids):
-            total += 1
-            agree += int(lp[len(out.prompt_token_ids) - 1 + j].argmax().item() == tok)
-    diffs.sort()
-    mean, p99 = sum(diffs) / len(diffs), diffs[int(0.99 * len(diffs))]
-    effect_mean = sum(effect) / len(effect)
-    print(f"\nvLLM KIVI vs standalone: {len(diffs)} prompt tokens, |dlogprob| mean {mean:.5f} p99 {p99:.5f}; "
-          f"greedy agreement {agree}/{total}; INT2 vs BF16 in the standalone model: mean {effect_mean:.5f}")
-    assert mean < 0.1 * effect_mean and mean < 5e-3 and p99 < 3e-2
-    assert agree == total
+    c = compare_with_standalone(outs, ref)
+    print(f"\nvLLM KIVI vs standalone: {c['tokens']} prompt tokens, |dlogprob| mean {c['mean']:.5f} "
+          f"p99 {c['p99']:.5f}; greedy agreement {c['agree']}/{c['total']}; INT2 vs BF16 in the standalone "
+          f"model: mean {c['effect']:.5f}")
+    assert c["mean"] < 0.1 * c["effect"] and c["mean"] < 5e-3 and c["p99"] < 3e-2
+    assert c["agree"] == c["total"]

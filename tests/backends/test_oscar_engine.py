@@ -179,7 +179,7 @@ def test_int2_path_matches_standalone_pytorch(int2_small_chunks, greedy):
     from vllm_kvq.artifacts import builtin_artifact, model_fingerprint
     from transformers import AutoConfig
 
-    from tests.backends.oscar_standalone import OscarStandalone
+    from tests.backends.oscar_standalone import OscarStandalone, compare_with_standalone
     from tests.conftest import model_path
 
     cfg = AutoConfig.from_pretrained(model_path())
@@ -187,29 +187,12 @@ def test_int2_path_matches_standalone_pytorch(int2_small_chunks, greedy):
     ref = OscarStandalone(model_path(), art, INT2["sink"], INT2["window"], 128)
     prompts = _needle_prompts(4)
     outs = int2_small_chunks.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
-    ids_all = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) for o in outs]
-    logprobs = [ref.logprobs(ids) for ids in ids_all]
-    ref.window = 1 << 20  # the same model with nothing quantized: the effect size
-    exact = [ref.logprobs(ids) for ids in ids_all]
-    diffs, effect, agree, total = [], [], 0, 0
-    for out, lp, lx in zip(outs, logprobs, exact):
-        for i, entry in enumerate(out.prompt_logprobs[1:], start=1):
-            tok = out.prompt_token_ids[i]
-            diffs.append(abs(entry[tok].logprob - lp[i - 1, tok].item()))
-            effect.append(abs(lx[i - 1, tok].item() - lp[i - 1, tok].item()))
-        for j, tok in enumerate(out.outputs[0].token_ids):
-            pos = len(out.prompt_token_ids) - 1 + j
-            total += 1
-            agree += int(lp[pos].argmax().item() == tok)
-    diffs.sort()
-    mean = sum(diffs) / len(diffs)
-    p99 = diffs[int(0.99 * len(diffs))]
-    effect_mean = sum(effect) / len(effect)
-    print(f"\nvLLM vs standalone: {len(diffs)} prompt tokens, |dlogprob| mean {mean:.5f} "
-          f"p99 {p99:.5f} max {diffs[-1]:.4f}; greedy agreement {agree}/{total}; "
-          f"INT2 vs BF16 in the standalone model: mean {effect_mean:.5f}")
+    c = compare_with_standalone(outs, ref)
+    print(f"\nvLLM vs standalone: {c['tokens']} prompt tokens, |dlogprob| mean {c['mean']:.5f} "
+          f"p99 {c['p99']:.5f} max {c['max']:.4f}; greedy agreement {c['agree']}/{c['total']}; "
+          f"INT2 vs BF16 in the standalone model: mean {c['effect']:.5f}")
     # Rounding differences upstream (RoPE, norms, folded weights) flip a bf16
     # ulp now and then, which INT2 can amplify; the agreement must still be an
     # order of magnitude tighter than the quantization effect itself.
-    assert mean < 0.1 * effect_mean and mean < 5e-3 and p99 < 3e-2
-    assert agree == total
+    assert c["mean"] < 0.1 * c["effect"] and c["mean"] < 5e-3 and c["p99"] < 3e-2
+    assert c["agree"] == c["total"]
