@@ -52,6 +52,17 @@ def make_model() -> None:
         shutil.copy(CARRY / f, MODEL_DIR / f)
 
 
+def greedy_record(outs) -> dict:
+    """Tokens, their logprobs and each step's top two logprobs (how far each
+    greedy choice is from a tie) of generated outputs, as JSON lists."""
+    return {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
+        "margins": [[sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in o.outputs[0].logprobs]
+                    for o in outs],
+    }
+
+
 def prompts(kind: str) -> list[list[int]]:
     return json.loads((CARRY / "prompts.json").read_text())[kind]
 
@@ -72,14 +83,7 @@ def run_engine(backend: str, kvq: str, out: str) -> None:
     result = {"kv_cache_size_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens}
     for kind in ("short", "long"):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(kind)], params, use_tqdm=False)
-        result[kind] = {
-            "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                         for o in outs],
-            # top-1 minus runner-up logprob: how far each greedy choice is from a tie
-            "margins": [[sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in o.outputs[0].logprobs]
-                        for o in outs],
-        }
+        result[kind] = greedy_record(outs)
     Path(out).write_text(json.dumps(result))
 
 

@@ -180,13 +180,7 @@ def run_engine(mode: str, args: argparse.Namespace) -> None:
     for kind, count in (("short", args.short), ("long", args.long)):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cuda_check.prompts(kind)[:count]], params,
                             use_tqdm=False)
-        result[kind] = {
-            "tokens": [list(o.outputs[0].token_ids) for o in outs],
-            "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
-                         for o in outs],
-            "margins": [[sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in o.outputs[0].logprobs]
-                        for o in outs],
-        }
+        result[kind] = cuda_check.greedy_record(outs)
     record.live = False
     result["record"] = record.as_dict()
     result["generate_s"] = time.perf_counter() - t0 - result["start_s"]
