@@ -1,22 +1,40 @@
-"""Fused STEPQuant decode step: unpack, gated delta update, readout, fit and
-repack of every (request, value head) in one program.
+"""Fused STEPQuant decode step on packed records: two kernels per width.
 
-Twin of :func:`reference.step`. One program owns one head of one request and
-holds its whole ``K x V`` state in registers, so the row statistics (mean
-``|X|`` over V) and the column statistics (``Sᵀk``, ``Xᵀq``, absmax and the
-weighted refit over K) are all local: no scratch, no second kernel, no host
-sync (CUDA-graph safe). The record is rewritten in place: no other program
-touches that (slot, head), and inside the program every load of the record
-comes before a cross-warp column sum, which comes before every store.
+Twin of :func:`reference.step`. The fit couples a head's whole ``K x V``
+state twice: each row factor needs its key row's mean ``|X|`` over every value
+column, and each column scale needs every key row. One program holding a whole
+128 x 128 head in registers is latency-bound (one program per SM, spills), so
+the step is cut where those dependencies allow:
+
+1. ``_rows_kernel``, one program per (request, value head), streams the record
+   in blocks of ``RB`` key rows. Pass 1 sums ``Sᵀk`` and ``Sᵀq`` (``S = exp(g)
+   X̂``) into per-thread partials, reduced once at the end: that gives ``δ = β
+   (v - Sᵀk)`` and the readout ``out = Sᵀq + (k·q) δ`` of the unquantized ``X =
+   S + k δᵀ``. Pass 2 rebuilds ``X`` block by block and writes the new row
+   factors (mean ``|X|`` and the impact, per 32-column group for INT2; the
+   rowwise baseline's absmax) into the record, after copying the old ones to a
+   scratch row: the second kernel still needs them.
+2. ``_fit_kernel``, one program per (request, value head, ``TILE`` value
+   columns) with all K key rows (the FP32 update's own tiling), rebuilds its
+   columns of ``X`` from the old codes, old column scales, saved old row
+   factors and ``δ``, fits its column scales against the new row factors
+   (absmax, then one w²-weighted least-squares refit) and writes its codes and
+   column scales. Pivot heads are rebuilt and stored as fp16 here.
+
+Tiles are ``[4, rows, columns/4]``: element (a, i, b) is column ``4 b + a`` of
+key row i, so the codes of a byte (of a 6-bit 24-bit word) stay in one thread.
+The record is rewritten in place: the first kernel touches only row factors
+(after reading them), the second only its own columns. Scratch (``δ`` and the
+old row factors, a few hundred bytes per head) comes from torch's allocator; no
+host sync, fixed grids: CUDA-graph safe.
 
 Records live in a pool ``[slots, size]`` of uint8 whose slot stride may be
 larger than the record (vLLM's state view: the record sits inside a larger
-hybrid page, after the conv state); ``state_indices [N]`` (any stride, e.g.
-a column of vLLM's block table) names each request's slot, and requests whose
+hybrid page, after the conv state); ``state_indices [N]`` (any stride, e.g. a
+column of vLLM's block table) names each request's slot, and requests whose
 index is below ``min_slot`` (vLLM's padding and null slot 0: ``min_slot=1``)
-get a zero output and touch nothing. One launch per width present in the
-layer, the width a constexpr, so each instance carries only its own
-unpack/fit code.
+get a zero output and touch nothing. Each width is a constexpr (one launch pair
+per width present in the layer).
 
 The fit is the plan's: ``stepquant`` (the dual-axis fit with the impact
 factors) or ``rowwise`` (the uniform baseline: one absmax scale per key row,
@@ -34,6 +52,7 @@ bound that.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +74,19 @@ def _div(x, d, d_inv):
     operations an element instead of a full IEEE division."""
     q = x * d_inv
     return tl.fma(tl.fma(-q, d, x), d_inv, q)
+
+
+@triton.jit
+def _rcp(x, ASM: tl.constexpr):
+    """``1 / x`` for the fast fit's positive fp16-valued scales: the hardware
+    reciprocal (``rcp.approx``, about 1 ulp) where compiled, instead of the
+    range-checked full division; a plain division in Triton's interpreter."""
+    if ASM:
+        y = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+    else:
+        y = 1.0 / x
+    return y
 
 
 @triton.jit
@@ -91,213 +123,341 @@ def _signed(u, BITS: tl.constexpr):
 
 
 @triton.jit
-def _unpack(base, a3, i3, b3, BITS: tl.constexpr, V: tl.constexpr):
-    """Unsigned codes (int32) ``[4, K, V/4]`` of the packed head at ``base``
-    (uint8 pointer): element (a, i, b) is column ``4 b + a`` of key row i, so
-    each thread holds 4 consecutive codes of a row (one 6-bit group, one
-    2-bit byte, two 4-bit bytes) and unpacks them from its own bytes."""
-    if BITS == 8:
-        u = tl.load(base + i3 * V + 4 * b3 + a3).to(tl.int32)
+def _load_codes(base, a3, i3, b3, BITS: tl.constexpr, V: tl.constexpr):
+    """Raw code bytes of key rows ``i3`` and column quads ``b3`` of the packed
+    head at ``base`` (uint8 pointer), as (b0, b1, b2), b1 and b2 used by 6-bit
+    codes only; :func:`_codes` unpacks them. Split so that a loop issues the
+    next row block's loads before it works on this one's."""
+    if BITS == 16:  # a pivot: the fp16 values themselves
+        b0 = tl.load(base.to(tl.pointer_type(tl.float16)) + i3 * V + 4 * b3 + a3)
+        b1 = b0
+        b2 = b0
+    elif BITS == 8:
+        b0 = tl.load(base + i3 * V + 4 * b3 + a3)
+        b1 = b0
+        b2 = b0
     elif BITS == 6:  # 4 codes in the 24-bit word at byte 3 b of the row
         at = base + i3 * (3 * V // 4) + 3 * b3
-        word = (tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)
-                | (tl.load(at + 2).to(tl.int32) << 16))
+        b0 = tl.load(at)
+        b1 = tl.load(at + 1)
+        b2 = tl.load(at + 2)
+    elif BITS == 4:  # byte 2 b + a // 2
+        b0 = tl.load(base + i3 * (V // 2) + 2 * b3 + a3 // 2)
+        b1 = b0
+        b2 = b0
+    else:  # byte b
+        b0 = tl.load(base + i3 * (V // 4) + b3)
+        b1 = b0
+        b2 = b0
+    return b0, b1, b2
+
+
+@triton.jit
+def _codes(b0, b1, b2, a3, BITS: tl.constexpr):
+    """Unsigned codes (int32) ``[4, R, Q]`` from :func:`_load_codes`' bytes:
+    element (a, i, b) is column ``4 b + a`` of key row i, so each thread holds
+    4 consecutive codes of a row (one 6-bit group, one 2-bit byte, two 4-bit
+    bytes) and unpacks them from its own bytes."""
+    if BITS == 8:
+        u = b0.to(tl.int32)
+    elif BITS == 6:
+        word = b0.to(tl.int32) | (b1.to(tl.int32) << 8) | (b2.to(tl.int32) << 16)
         u = (word >> (6 * a3)) & 63
-    elif BITS == 4:  # byte 2 b + a // 2, low nibble first
-        u = (tl.load(base + i3 * (V // 2) + 2 * b3 + a3 // 2).to(tl.int32) >> (4 * (a3 % 2))) & 15
-    else:  # byte b, bits 0-1 first
-        u = (tl.load(base + i3 * (V // 4) + b3).to(tl.int32) >> (2 * a3)) & 3
+    elif BITS == 4:  # low nibble first
+        u = (b0.to(tl.int32) >> (4 * (a3 % 2))) & 15
+    else:  # bits 0-1 first
+        u = (b0.to(tl.int32) >> (2 * a3)) & 3
     return u
 
 
 @triton.jit
-def _pack_store(u, base, a3, i3, b3, K: tl.constexpr, V: tl.constexpr, BITS: tl.constexpr):
-    """Store unsigned codes ``u [4, K, V/4]`` (int32) packed at ``base``; the
-    codes of one byte (of one 24-bit word) sit in one thread."""
-    L: tl.constexpr = V // 4
+def _unpack(base, a3, i3, b3, BITS: tl.constexpr, V: tl.constexpr):
+    """Unsigned codes (int32) ``[4, R, Q]`` of key rows ``i3`` and column quads
+    ``b3`` (:func:`_load_codes` then :func:`_codes`)."""
+    b0, b1, b2 = _load_codes(base, a3, i3, b3, BITS, V)
+    return _codes(b0, b1, b2, a3, BITS)
+
+
+@triton.jit
+def _pack_store(u, base, i3, b3, V: tl.constexpr, BITS: tl.constexpr):
+    """Store unsigned codes ``u [4, X, Y]`` (int32; element (a, ., .) = column
+    ``4 b + a`` of key row i, with the row and quad indices ``i3``, ``b3``
+    broadcasting to ``[1, X, Y]``) packed at ``base``; the codes of one byte
+    (of one 24-bit word) sit in one thread."""
+    a3 = tl.arange(0, 4)[:, None, None]
     if BITS == 8:
         tl.store(base + i3 * V + 4 * b3 + a3, u.to(tl.uint8))
-    elif BITS == 4:
-        byte = tl.sum(tl.reshape(u << (4 * (a3 % 2)), (2, 2, K, L)), axis=1)  # disjoint bits: sum == or
-        i = tl.arange(0, K)[None, :, None]
-        b = tl.arange(0, L)[None, None, :]
+    elif BITS == 4:  # disjoint bits: sum == or
+        byte = tl.sum(tl.reshape(u << (4 * (a3 % 2)), (2, 2, u.shape[1], u.shape[2])), axis=1)
         h = tl.arange(0, 2)[:, None, None]
-        tl.store(base + i * (V // 2) + 2 * b + h, byte.to(tl.uint8))
+        tl.store(base + i3 * (V // 2) + 2 * b3 + h, byte.to(tl.uint8))
     else:
-        word = tl.sum(u << (BITS * a3), axis=0)  # [K, L]
-        i = tl.arange(0, K)[:, None]
-        b = tl.arange(0, L)[None, :]
+        word = tl.sum(u << (BITS * a3), axis=0, keep_dims=True)  # [1, X, Y]
         if BITS == 6:
-            at = base + i * (3 * V // 4) + 3 * b
+            at = base + i3 * (3 * V // 4) + 3 * b3
             tl.store(at, (word & 255).to(tl.uint8))
             tl.store(at + 1, ((word >> 8) & 255).to(tl.uint8))
             tl.store(at + 2, ((word >> 16) & 255).to(tl.uint8))
         else:
-            tl.store(base + i * (V // 4) + b, word.to(tl.uint8))
+            tl.store(base + i3 * (V // 4) + b3, word.to(tl.uint8))
 
 
 @triton.jit
-def _group_rows(t, K: tl.constexpr, L: tl.constexpr):
-    """``t [K, L]`` summed over each INT2 group (8 lanes = 32 columns) and
-    broadcast back: the per-group row sums, ``[K, L]``."""
-    G: tl.constexpr = L // 8
-    s = tl.sum(tl.reshape(t, (K, G, 8)), axis=2)
-    return tl.reshape(tl.broadcast_to(s[:, :, None], (K, G, 8)), (K, L))
+def _group_rows(t, R: tl.constexpr, Q: tl.constexpr):
+    """``t [R, Q]`` summed over each INT2 group (8 quads = 32 columns) and
+    broadcast back: the per-group row sums, ``[R, Q]``."""
+    G: tl.constexpr = Q // 8
+    s = tl.sum(tl.reshape(t, (R, G, 8)), axis=2)
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (R, G, 8)), (R, Q))
 
 
 @triton.jit
-def _head_step(
-    rec, rec16, w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
-    codes_off, rows_off, cols_off,
-    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, FIT: tl.constexpr,
-    ROWWISE: tl.constexpr,
-):
-    """The whole step of one head: ``rec``/``rec16`` point at the record (uint8
-    / fp16 views), the others at this (request, head)'s inputs and output.
-
-    The state is held as ``[4, K, V/4]``, element (a, i, b) = X[i, 4 b + a]:
-    registers hold the 4 consecutive columns (packing stays in a thread), lanes
-    the column quads, warps the key rows. Column sums (over K) then run inside
-    a thread and across warps, row sums over one warp.
-    """
-    L: tl.constexpr = V // 4
-    a3 = tl.arange(0, 4)[:, None, None]
-    i3 = tl.arange(0, K)[None, :, None]
-    b3 = tl.arange(0, L)[None, None, :]
-    col2 = 4 * tl.arange(0, L)[None, :] + tl.arange(0, 4)[:, None]  # [4, L] column index
-    rows = tl.arange(0, K)
-    kk = tl.load(k_ptr + rows).to(tl.float32)[None, :, None]
-    qq = tl.load(q_ptr + rows).to(tl.float32)[None, :, None]
-    vv = tl.load(v_ptr + col2).to(tl.float32)
-    decay = tl.exp(tl.load(g_ptr).to(tl.float32))
-    beta = tl.load(beta_ptr).to(tl.float32)
-
-    # Reconstruct the decayed state S = exp(g) * r c z (or the fp16 pivot).
+def _old_rows(rec16, rows_off, rows, BITS: tl.constexpr, V: tl.constexpr, Q: tl.constexpr):
+    """Stored row factors of key rows ``rows``, fp32: ``[1, R, Q]`` for INT2
+    (one per 32-column group, indexed by quad), else ``[1, R, 1]`` (ones for a
+    pivot, which has none)."""
     if BITS == 16:
-        x_hat = tl.load(rec16 + codes_off // 2 + i3 * V + 4 * b3 + a3).to(tl.float32)
+        r = tl.full((1, rows.shape[0], 1), 1.0, tl.float32)
+    elif BITS == 2:
+        r = tl.load(rec16 + rows_off // 2 + rows[:, None] * (V // 32) + tl.arange(0, Q)[None, :] // 8)
+        r = r.to(tl.float32)[None, :, :]
     else:
-        z = _signed(_unpack(rec + codes_off, a3, i3, b3, BITS, V), BITS)
-        if BITS == 2:  # one row factor per 32-column group: lanes b // 8
-            r = tl.load(rec16 + rows_off // 2 + rows[:, None] * (V // 32) + tl.arange(0, L)[None, :] // 8)
-            r = r.to(tl.float32)[None, :, :]  # [1, K, L]
-        else:
-            r = tl.load(rec16 + rows_off // 2 + rows).to(tl.float32)[None, :, None]  # [1, K, 1]
-        if FAST:  # the decay folded into the row factors: one multiply less per element
-            r = decay * r
-        c = tl.load(rec16 + cols_off // 2 + col2).to(tl.float32)
-        x_hat = (r * c[:, None, :]) * z
-    if FAST and BITS != 16:
-        s = x_hat
-    else:
-        s = decay * x_hat
-
-    # Gated delta rule and the readout from the unquantized X.
-    resid = vv - tl.sum(s * kk, axis=1)
-    x = s + kk * (beta * resid)[:, None, :]
-    tl.store(out_ptr + col2, tl.sum(x * qq, axis=1))
-
-    if not FIT:  # measuring only: the record stays as it was
-        pass
-    elif BITS == 16:
-        tl.store(rec16 + codes_off // 2 + i3 * V + 4 * b3 + a3, x.to(tl.float16))
-    elif ROWWISE:  # the uniform baseline: r_i = max_j |X_ij| / qmax, c = 1 (no INT2 form)
-        QMR: tl.constexpr = (1 << (BITS - 1)) - 1
-        r = _fp16_round(tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=0), axis=1), QMR * 1.0))  # [K]
-        r3 = r[None, :, None]
-        if FAST:
-            _, u = _levels(x * (1.0 / r3), BITS)
-        else:
-            _, u = _levels(_div(x, r3, tl.math.div_rn(1.0, r3)), BITS)
-        tl.store(rec16 + rows_off // 2 + rows, r.to(tl.float16))
-        tl.store(rec16 + cols_off // 2 + col2, tl.full((4, L), 1.0, tl.float16))
-        _pack_store(u, rec + codes_off, a3, i3, b3, K, V, BITS)
-    else:
-        QM: tl.constexpr = 3 if BITS == 2 else (1 << (BITS - 1)) - 1
-        # 1. row factors from mean |X| (per 32-column group for INT2) and the impact
-        if BITS == 2:
-            w = tl.load(w_ptr + rows)[:, None]  # [K, 1]
-            mag = tl.maximum(_group_rows(tl.sum(tl.abs(x), axis=0), K, L) * (1.0 / 32), 1e-20)  # [K, L]
-        else:
-            w = tl.load(w_ptr + rows)  # [K]
-            mag = tl.maximum(tl.sum(tl.sum(tl.abs(x), axis=0), axis=1) * (1.0 / V), 1e-20)  # [K]
-        if FAST:
-            r = _fp16_round(tl.sqrt(mag / w))
-        else:
-            r = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
-        if BITS == 2:
-            r3 = r[None, :, :]
-            w3 = w[None, :, :]
-        else:
-            r3 = r[None, :, None]
-            w3 = w[None, :, None]
-        if FAST:
-            # 2. column scales by absmax; 3. one w²-weighted least-squares refit
-            y = x * (1.0 / r3)
-            c0 = _fp16_round(tl.max(tl.abs(y), axis=1) * (1.0 / QM))
-            z0, _ = _levels(y * (1.0 / c0)[:, None, :], BITS)
-            # in units of y (x ~ r y): sum w² r² z0 y and sum w² r² z0², 3 ops an element instead of 5
-            p = (w3 * r3) * (w3 * r3) * z0
-            num = tl.sum(p * y, axis=1)
-            den = tl.sum(p * z0, axis=1)
-            c = tl.where(den > 0, _fp16_round(num / tl.maximum(den, 1e-30)), c0)
-            _, u = _levels(y * (1.0 / c)[:, None, :], BITS)
-        else:
-            y = _div(x, r3, tl.math.div_rn(1.0, r3))
-            c0 = _fp16_round(tl.math.div_rn(tl.max(tl.abs(y), axis=1), QM * 1.0))
-            z0, _ = _levels(_div(y, c0[:, None, :], tl.math.div_rn(1.0, c0)[:, None, :]), BITS)
-            vals = r3 * z0
-            w2 = w3 * w3
-            num = tl.sum(w2 * vals * x, axis=1)
-            den = tl.sum(w2 * vals * vals, axis=1)
-            c = tl.where(den > 0, _fp16_round(tl.math.div_rn(num, tl.maximum(den, 1e-30))), c0)
-            _, u = _levels(_div(y, c[:, None, :], tl.math.div_rn(1.0, c)[:, None, :]), BITS)
-        if BITS == 2:  # lanes 8 g .. 8 g + 7 all hold group g: store from the first
-            lane = tl.arange(0, L)[None, :]
-            tl.store(rec16 + rows_off // 2 + rows[:, None] * (V // 32) + lane // 8, r.to(tl.float16),
-                     mask=(lane % 8) == 0)
-        else:
-            tl.store(rec16 + rows_off // 2 + rows, r.to(tl.float16))
-        tl.store(rec16 + cols_off // 2 + col2, c.to(tl.float16))
-        _pack_store(u, rec + codes_off, a3, i3, b3, K, V, BITS)
+        r = tl.load(rec16 + rows_off // 2 + rows).to(tl.float32)[None, :, None]
+    return r
 
 
 @triton.jit
-def _step_kernel(
+def _rebuild(z, r, c, decay, FAST: tl.constexpr):
+    """``S = exp(g) r c z`` from signed codes ``z``, old row factors ``r`` and
+    column scales ``c`` (all broadcasting to z's shape); the reference's order
+    unless FAST (decay folded into the row factors)."""
+    if FAST:
+        s = ((decay * r) * c) * z
+    else:
+        s = decay * ((r * c) * z)
+    return s
+
+
+@triton.jit
+def _head_record(pool, pool16, idx_ptr, s_idx, n, slot_stride, ALIGN: tl.constexpr):
+    """(slot, uint8 and fp16 pointers to its record) of request n."""
+    slot = tl.load(idx_ptr + n * s_idx).to(tl.int64)
+    base = tl.multiple_of(slot * slot_stride, ALIGN)
+    return slot, pool + base, pool16 + base // 2
+
+
+@triton.jit
+def _rows_kernel(
     pool, pool16, idx_ptr, s_idx, slot_stride, min_slot,
     heads_ptr, codes_ptr, rows_ptr, cols_ptr,
-    w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
-    sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh,
-    H, QK_GROUP,
-    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr,
-    FIT: tl.constexpr, ROWWISE: tl.constexpr,
+    w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, delta_ptr, rold_ptr,
+    sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh, H, QK_GROUP,
+    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, RB: tl.constexpr, FAST: tl.constexpr,
+    ALIGN: tl.constexpr, FIT: tl.constexpr, ROWWISE: tl.constexpr,
 ):
-    """Program (j, n): head ``heads[j]`` (width ``BITS``) of request n, whose
-    record starts at byte ``slot * slot_stride`` of the pool. The slot stride
-    and head offsets are multiples of ``ALIGN`` bytes (vector loads)."""
+    """Program (j, n): readout, ``δ`` and new row factors of head ``heads[j]``
+    of request n (see the module docstring)."""
     j = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
+    Q: tl.constexpr = V // 4
     h = tl.load(heads_ptr + j)
+    col2 = 4 * tl.arange(0, Q)[None, :] + tl.arange(0, 4)[:, None]  # [4, Q] column index
     out = out_ptr + (n * H + h) * V
-    slot = tl.load(idx_ptr + n * s_idx).to(tl.int64)
+    slot, rec, rec16 = _head_record(pool, pool16, idx_ptr, s_idx, n, slot_stride, ALIGN)
     if slot < min_slot:
-        tl.store(out + tl.arange(0, V), tl.zeros((V,), tl.float32))
+        tl.store(out + col2, tl.zeros((4, Q), tl.float32))
     else:
-        base = tl.multiple_of(slot * slot_stride, ALIGN)
-        rec = pool + base
-        rec16 = pool16 + base // 2
-        qp = q_ptr + n * sqn + (h // QK_GROUP) * sqh
+        a3 = tl.arange(0, 4)[:, None, None]
+        b3 = tl.arange(0, Q)[None, None, :]
         kp = k_ptr + n * skn + (h // QK_GROUP) * skh
-        vp = v_ptr + n * svn + h * svh
-        gp = g_ptr + n * sgn + h * sgh
-        bp = beta_ptr + n * sbn + h * sbh
-        wp = w_ptr + h * K
+        qp = q_ptr + n * sqn + (h // QK_GROUP) * sqh
+        decay = tl.exp(tl.load(g_ptr + n * sgn + h * sgh).to(tl.float32))
         co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
         ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
-        cl = tl.multiple_of(tl.load(cols_ptr + j), ALIGN)
-        _head_step(rec, rec16, wp, qp, kp, vp, gp, bp, out, co, ro, cl, BITS, K, V, FAST, FIT, ROWWISE)
+        cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2 + col2
+        if BITS == 16 or FAST:  # the fast sums apply c after the loop: not held in registers through it
+            c = tl.full((4, Q), 1.0, tl.float32)
+        else:
+            c = tl.load(cp).to(tl.float32)
+
+        # pass 1: Sᵀk and Sᵀq, per-thread partials over the row blocks; each
+        # block's loads are issued one block ahead (the last look-ahead wraps
+        # to block 0: a valid, unused load)
+        acc_k = tl.zeros((4, RB, Q), tl.float32)
+        acc_q = tl.zeros((4, RB, Q), tl.float32)
+        kq = tl.zeros((RB,), tl.float32)
+        rows = tl.arange(0, RB)
+        n0, n1, n2 = _load_codes(rec + co, a3, rows[None, :, None], b3, BITS, V)
+        n_r = _old_rows(rec16, ro, rows, BITS, V, Q)
+        n_k = tl.load(kp + rows)
+        n_q = tl.load(qp + rows)
+        for r0 in range(0, K, RB):
+            c0, c1, c2, r_old, kk, qq = n0, n1, n2, n_r, n_k.to(tl.float32), n_q.to(tl.float32)
+            ahead = (r0 + RB) % K + tl.arange(0, RB)
+            n0, n1, n2 = _load_codes(rec + co, a3, ahead[None, :, None], b3, BITS, V)
+            n_r = _old_rows(rec16, ro, ahead, BITS, V, Q)
+            n_k = tl.load(kp + ahead)
+            n_q = tl.load(qp + ahead)
+            if BITS == 16:
+                s = decay * c0.to(tl.float32)
+                acc_k += s * kk[None, :, None]
+                acc_q += s * qq[None, :, None]
+            elif FAST:  # sum z (exp(g) r k) per column, times c at the end: one FMA an element per sum
+                z = _signed(_codes(c0, c1, c2, a3, BITS), BITS)
+                dr = decay * r_old
+                acc_k += z * (dr * kk[None, :, None])
+                acc_q += z * (dr * qq[None, :, None])
+            else:
+                z = _signed(_codes(c0, c1, c2, a3, BITS), BITS)
+                s = _rebuild(z, r_old, c[:, None, :], decay, FAST)
+                acc_k += s * kk[None, :, None]
+                acc_q += s * qq[None, :, None]
+            kq += kk * qq
+        sk = tl.sum(acc_k, axis=1)
+        sq = tl.sum(acc_q, axis=1)
+        if FAST and BITS != 16:
+            c = tl.load(cp).to(tl.float32)
+            sk = sk * c
+            sq = sq * c
+        vv = tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32)
+        beta = tl.load(beta_ptr + n * sbn + h * sbh).to(tl.float32)
+        delta = beta * (vv - sk)
+        tl.store(out + col2, sq + tl.sum(kq, axis=0) * delta)
+        scratch = n * H + h
+        tl.store(delta_ptr + scratch * V + col2, delta)
+
+        # pass 2: X row block by row block -> the new row factors
+        if FIT and BITS != 16:
+            RG: tl.constexpr = K * (V // 32)  # scratch floats per head (INT2: one row factor per 32 columns)
+            rows = tl.arange(0, RB)
+            n0, n1, n2 = _load_codes(rec + co, a3, rows[None, :, None], b3, BITS, V)
+            n_r = _old_rows(rec16, ro, rows, BITS, V, Q)
+            n_k = tl.load(kp + rows)
+            n_w = tl.load(w_ptr + h * K + rows)
+            for r0 in range(0, K, RB):  # as pass 1: loads one block ahead
+                rows = r0 + tl.arange(0, RB)
+                c0, c1, c2, r_old, kk, w = n0, n1, n2, n_r, n_k.to(tl.float32), n_w
+                ahead = (r0 + RB) % K + tl.arange(0, RB)
+                n0, n1, n2 = _load_codes(rec + co, a3, ahead[None, :, None], b3, BITS, V)
+                n_r = _old_rows(rec16, ro, ahead, BITS, V, Q)
+                n_k = tl.load(kp + ahead)
+                n_w = tl.load(w_ptr + h * K + ahead)
+                z = _signed(_codes(c0, c1, c2, a3, BITS), BITS)
+                x = _rebuild(z, r_old, c[:, None, :], decay, FAST) + kk[None, :, None] * delta[:, None, :]
+                if ROWWISE:  # r_i = max_j |X_ij| / qmax
+                    QMR: tl.constexpr = (1 << (BITS - 1)) - 1
+                    r_new = _fp16_round(tl.math.div_rn(tl.max(tl.max(tl.abs(x), axis=0), axis=1), QMR * 1.0))
+                elif BITS == 2:  # per 32-column group: [RB, Q], lanes of a group alike
+                    w = w[:, None]
+                    mag = tl.maximum(_group_rows(tl.sum(tl.abs(x), axis=0), RB, Q) * (1.0 / 32), 1e-20)
+                    if FAST:
+                        r_new = _fp16_round(tl.sqrt(mag / w))
+                    else:
+                        r_new = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
+                else:
+                    mag = tl.maximum(tl.sum(tl.sum(tl.abs(x), axis=0), axis=1) * (1.0 / V), 1e-20)
+                    if FAST:
+                        r_new = _fp16_round(tl.sqrt(mag / w))
+                    else:
+                        r_new = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
+                if BITS == 2:  # quads 8 g .. 8 g + 7 all hold group g: store from the first
+                    quad = tl.arange(0, Q)[None, :]
+                    at = rows[:, None] * (V // 32) + quad // 8
+                    first = (quad % 8) == 0
+                    tl.store(rold_ptr + scratch * RG + at, tl.reshape(r_old, (RB, Q)), mask=first)
+                    tl.store(rec16 + ro // 2 + at, r_new.to(tl.float16), mask=first)
+                else:
+                    tl.store(rold_ptr + scratch * RG + rows, tl.reshape(r_old, (RB,)))
+                    tl.store(rec16 + ro // 2 + rows, r_new.to(tl.float16))
 
 
-LAST_KERNELS: list = []  # (width, compiled kernel) of the last step_ call: registers and spills for the benchmark
+@triton.jit
+def _fit_kernel(
+    pool, pool16, idx_ptr, s_idx, slot_stride, min_slot,
+    heads_ptr, codes_ptr, rows_ptr, cols_ptr,
+    w_ptr, k_ptr, g_ptr, delta_ptr, rold_ptr,
+    skn, skh, sgn, sgh, H, QK_GROUP,
+    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TILE: tl.constexpr, FAST: tl.constexpr,
+    ALIGN: tl.constexpr, ROWWISE: tl.constexpr, ASM: tl.constexpr,
+):
+    """Program (t, j, n): value columns ``t*TILE ..`` of head ``heads[j]`` of
+    request n, all key rows: rebuild X, fit the column scales, write the codes."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    TQ: tl.constexpr = TILE // 4
+    slot, rec, rec16 = _head_record(pool, pool16, idx_ptr, s_idx, n, slot_stride, ALIGN)
+    if slot >= min_slot:
+        h = tl.load(heads_ptr + j)
+        rows = tl.arange(0, K)
+        quads = t * TQ + tl.arange(0, TQ)
+        a3 = tl.arange(0, 4)[:, None, None]
+        i3 = rows[None, None, :]  # tiles [4, TQ, K]: key rows last (each thread holds several)
+        b3 = quads[None, :, None]
+        col2 = 4 * quads[None, :] + tl.arange(0, 4)[:, None]  # [4, TQ]
+        scratch = n * H + h
+        decay = tl.exp(tl.load(g_ptr + n * sgn + h * sgh).to(tl.float32))
+        kk = tl.load(k_ptr + n * skn + (h // QK_GROUP) * skh + rows).to(tl.float32)[None, None, :]
+        delta = tl.load(delta_ptr + scratch * V + col2)[:, :, None]
+        co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
+        if BITS == 16:
+            at = rec16 + co // 2 + i3 * V + 4 * b3 + a3
+            x = decay * tl.load(at).to(tl.float32) + kk * delta
+            tl.store(at, x.to(tl.float16))
+        else:
+            RG: tl.constexpr = K * (V // 32)
+            ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
+            cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2 + col2
+            if BITS == 2:  # the tile lies in one 32-column group
+                grp = (t * TILE) // 32
+                r_old = tl.load(rold_ptr + scratch * RG + rows * (V // 32) + grp)
+                r = tl.load(rec16 + ro // 2 + rows * (V // 32) + grp).to(tl.float32)
+            else:
+                r_old = tl.load(rold_ptr + scratch * RG + rows)
+                r = tl.load(rec16 + ro // 2 + rows).to(tl.float32)
+            z = _signed(_unpack(rec + co, a3, i3, b3, BITS, V), BITS)
+            c_old = tl.load(cp).to(tl.float32)[:, :, None]
+            r3 = r[None, None, :]
+            if FAST:  # y = X / r directly: (exp(g) r_old / r) c z + (k / r) δ, one FMA an element
+                r_inv = _rcp(r, ASM)[None, None, :]
+                y = (((decay * r_old)[None, None, :] * r_inv) * c_old) * z + (kk * r_inv) * delta
+            else:
+                x = _rebuild(z, r_old[None, None, :], c_old, decay, FAST) + kk * delta
+            if ROWWISE:  # x / r, unit column scales
+                if FAST:
+                    _, u = _levels(y, BITS)
+                else:
+                    _, u = _levels(_div(x, r3, tl.math.div_rn(1.0, r3)), BITS)
+                c = tl.full((4, TQ), 1.0, tl.float32)
+            else:
+                QM: tl.constexpr = 3 if BITS == 2 else (1 << (BITS - 1)) - 1
+                w3 = tl.load(w_ptr + h * K + rows)[None, None, :]
+                if FAST:
+                    # column scales by absmax, then one w²-weighted least-squares refit
+                    c0 = _fp16_round(tl.max(tl.abs(y), axis=2) * (1.0 / QM))
+                    z0, _ = _levels(y * _rcp(c0, ASM)[:, :, None], BITS)
+                    # in units of y (x ~ r y): sum w² r² z0 y and sum w² r² z0², 3 ops an element instead of 5
+                    p = (w3 * r3) * (w3 * r3) * z0
+                    num = tl.sum(p * y, axis=2)
+                    den = tl.sum(p * z0, axis=2)
+                    c = tl.where(den > 0, _fp16_round(num * _rcp(tl.maximum(den, 1e-30), ASM)), c0)
+                    _, u = _levels(y * _rcp(c, ASM)[:, :, None], BITS)
+                else:
+                    y = _div(x, r3, tl.math.div_rn(1.0, r3))
+                    c0 = _fp16_round(tl.math.div_rn(tl.max(tl.abs(y), axis=2), QM * 1.0))
+                    z0, _ = _levels(_div(y, c0[:, :, None], tl.math.div_rn(1.0, c0)[:, :, None]), BITS)
+                    vals = r3 * z0
+                    w2 = w3 * w3
+                    num = tl.sum(w2 * vals * x, axis=2)
+                    den = tl.sum(w2 * vals * vals, axis=2)
+                    c = tl.where(den > 0, _fp16_round(tl.math.div_rn(num, tl.maximum(den, 1e-30))), c0)
+                    _, u = _levels(_div(y, c[:, :, None], tl.math.div_rn(1.0, c)[:, :, None]), BITS)
+            _pack_store(u, rec + co, i3, b3, V, BITS)
+            tl.store(cp, c.to(tl.float16))
+
+
+LAUNCH = {"rows_block": 8, "rows_warps": 2, "tile": 32, "fit_warps": 4}  # H200 sweep: within 1% of the best, checked compiled
+LAST_KERNELS: list = []  # (kernel name, width, compiled kernel) of the last step_ call: registers and spills
 FITS = ("stepquant", "rowwise")
 
 
@@ -350,9 +510,8 @@ def step_(
     out: torch.Tensor | None = None,
     min_slot: int = 1,
     fast: bool = True,
-    num_warps: int | None = None,
+    launch: dict | None = None,
     readout_only: bool = False,
-    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """Decode one token per request on the packed pool ``[slots, size]``, in place.
 
@@ -362,9 +521,10 @@ def step_(
     by ``H / H_k`` consecutive value heads), ``v [N, H, V]``, ``g, beta [N,
     H]``, any strides with a contiguous last dimension. Returns ``out [N, H,
     V]`` fp32, or writes the given contiguous ``out`` (fp32, bf16 or fp16).
-    ``readout_only`` stops after the readout and leaves the records alone (to
-    time the fit's share); ``maxnreg`` caps registers per thread (two programs
-    per SM at 8 warps and 128, at the price of spills).
+    ``launch``: ``rows_block`` / ``rows_warps`` (first kernel), ``tile`` /
+    ``fit_warps`` (second), default ``LAUNCH``. ``readout_only`` runs only the
+    first kernel's readout and leaves the records alone (the part on the
+    layer's critical path, timed on its own).
     """
     lay = plan.layout
     n, h = v.shape[0], len(lay.bits)
@@ -392,19 +552,32 @@ def step_(
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("q, k, v need a contiguous last dimension")
-    nw = num_warps or (8 if kd * vd >= 8192 else 4)
+    lc = {**LAUNCH, **(launch or {})}
+    rb, tile = min(lc["rows_block"], kd), min(lc["tile"], INT2_GROUP, vd)
+    delta = torch.empty(n, h, vd, dtype=torch.float32, device=v.device)
+    rold = torch.empty(n, h, kd * (vd // INT2_GROUP), dtype=torch.float32, device=v.device)
+    align = 4 if slot_stride % 4 == 0 else 2
     head = (pool, pool.view(torch.float16), state_indices, state_indices.stride(0), slot_stride, min_slot)
-    tail = (plan.impact, q, k, v, g, beta, out,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1])
-    extra = {"maxnreg": maxnreg} if maxnreg else {}
     LAST_KERNELS.clear()
     for grp in plan.groups:
-        kern = _step_kernel[(grp.heads.numel(), n)](
-            *head, grp.heads, grp.codes, grp.rows, grp.cols, *tail,
-            BITS=grp.bits, K=kd, V=vd, FAST=fast, ALIGN=4 if slot_stride % 4 == 0 else 2, FIT=not readout_only,
-            ROWWISE=plan.rowwise, num_warps=nw, **extra)
-        LAST_KERNELS.append((grp.bits, kern))
+        tables = (grp.heads, grp.codes, grp.rows, grp.cols)
+        kern = _rows_kernel[(grp.heads.numel(), n)](
+            *head, *tables, plan.impact, q, k, v, g, beta, out, delta, rold,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1],
+            BITS=grp.bits, K=kd, V=vd, RB=rb, FAST=fast, ALIGN=align, FIT=not readout_only,
+            ROWWISE=plan.rowwise, num_warps=lc["rows_warps"])
+        LAST_KERNELS.append(("rows", grp.bits, kern))
+    if readout_only:
+        return out
+    for grp in plan.groups:
+        tables = (grp.heads, grp.codes, grp.rows, grp.cols)
+        kern = _fit_kernel[(vd // tile, grp.heads.numel(), n)](
+            *head, *tables, plan.impact, k, g, delta, rold,
+            k.stride(0), k.stride(1), g.stride(0), g.stride(1), h, h // q.shape[1],
+            BITS=grp.bits, K=kd, V=vd, TILE=tile, FAST=fast, ALIGN=align, ROWWISE=plan.rowwise,
+            ASM=v.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), num_warps=lc["fit_warps"])
+        LAST_KERNELS.append(("fit", grp.bits, kern))
     return out
 
 
@@ -417,4 +590,4 @@ def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None
     return out, new
 
 
-__all__ = ["StepPlan", "step_", "step", "PIVOT", "FITS"]
+__all__ = ["StepPlan", "step_", "step", "LAUNCH", "PIVOT", "FITS"]
