@@ -1,0 +1,136 @@
+"""Registers, spills and SASS instruction counts of the Triton kernels for the
+H200 (sm_90a), compiled here without a GPU.
+
+Device time is scarce; what a kernel costs per element can be read before it
+runs: Triton compiles for an explicit target, and its wheel carries ``ptxas``
+and ``cuobjdump``. Each kernel is compiled at its serving shape (K = V = 128
+state heads; OSCAR's default format, 4 query heads per KV head) with the
+specialisations a real launch gets (16-byte aligned pointers and strides);
+the report gives registers, spill bytes, the static SASS count, and the
+instructions of each loop body (one trip).
+
+    python benchmarks/kernel_sass.py [--kernels rows fit decode] [--bits 6 4] [--json PATH]
+
+The counts depend on the Triton version: the GPU machine runs Triton 3.6
+(``pip install triton==3.6.0`` into a separate environment and run this
+script with it for its numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from vllm_kvq.kernels.oscar import triton_decode
+from vllm_kvq.kernels.stepquant import triton_step
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);")
+# argument types by name (everything else is an i32 scalar)
+POINTERS = {
+    "pool": "*u8", "pool16": "*fp16", "idx_ptr": "*i32", "heads_ptr": "*i32", "codes_ptr": "*i32",
+    "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
+    "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
+    "rold_ptr": "*fp32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16",
+    "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+}
+FLOATS = {"q_scale"}
+ALIGNED = {"slot_stride", "sqn", "skn", "svn", "stride_qb", "stride_qh", "bt_stride"}
+
+
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
+    names = list(inspect.signature(fn.fn).parameters)
+    sig = {p: ("constexpr" if p in constexprs else POINTERS.get(p, "fp32" if p in FLOATS else "i32")) for p in names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names) if sig[p].startswith("*") or p in ALIGNED}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    with tempfile.TemporaryDirectory() as d:
+        ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(k.asm["ptx"])
+        for tool in ("ptxas-blackwell", "ptxas"):  # Triton >= 3.7 emits PTX only its newer ptxas reads
+            run = subprocess.run([os.path.join(BIN, tool), "-v", "-arch=sm_90a", ptx, "-o", cubin],
+                                 capture_output=True, text=True)
+            if run.returncode == 0:
+                break
+        else:
+            raise RuntimeError(f"ptxas failed on {fn.__name__}: {run.stderr[-400:]}")
+        log = run.stderr
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True).stdout
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    ins = [(int(m.group(1), 16), m.group(2)) for m in map(SASS_LINE.match, sass.splitlines()) if m]
+    loops = []
+    for at, text in ins:  # a backward branch closes a loop body
+        b = re.search(r"BRA\s+(?:`\()?0x([0-9a-f]+)", text)
+        if b and int(b.group(1), 16) < at:
+            body = [t for a, t in ins if int(b.group(1), 16) <= a <= at]
+            ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for t in body)
+            loops.append({"instructions": len(body), "top": dict(ops.most_common(8))})
+    ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for _, t in ins)
+    return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0,
+            "sass": len(ins), "top": dict(ops.most_common(10)), "loops": loops}
+
+
+def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
+    lc = triton_step.LAUNCH
+    jobs = []
+    for b in bits:
+        jobs.append((f"stepquant rows, {b}-bit", triton_step._rows_kernel, dict(BITS=b, K=128, V=128, RB=lc["rows_block"], FAST=True, ALIGN=4,
+                                                    FIT=True, ROWWISE=False), lc["rows_warps"],
+                     4 * lc["rows_block"] * 32 // (32 * lc["rows_warps"])))
+        jobs.append((f"stepquant fit, {b}-bit", triton_step._fit_kernel,
+                     dict(BITS=b, K=128, V=128, TILE=lc["tile"], FAST=True, ALIGN=4, ROWWISE=False, ASM=True),
+                     lc["fit_warps"], lc["tile"] * 128 // (32 * lc["fit_warps"])))
+    return jobs
+
+
+def decode_job() -> tuple:
+    lc = triton_decode.LAUNCH
+    const = dict(HQ=32, GROUP=4, GP=16, D=128, G=128, KB=128, SINK=64, WINDOW=256, STATE_BLOCKS=18, ROWS=18,
+                 NUM_BF16=5, BLOCK_N=64, ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"])
+    # a loop trip is one TILE-token slice: its K and V codes per thread
+    return ("oscar decode (Qwen3-4B shape)", triton_decode._decode_kernel, const, lc["num_warps"],
+            2 * lc["tile"] * 128 // (32 * lc["num_warps"]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--kernels", nargs="*", default=["rows", "fit", "decode"], choices=["rows", "fit", "decode"])
+    ap.add_argument("--bits", nargs="*", type=int, default=[6, 4])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    jobs = [j for j in stepquant_jobs(args.bits) if j[0].split()[1].rstrip(",") in args.kernels]
+    if "decode" in args.kernels:
+        jobs.append(decode_job())
+    report = {"triton": triton.__version__, "target": "sm_90a", "kernels": {}}
+    print(f"Triton {triton.__version__}, sm_90a")
+    for name, fn, const, warps, per_thread in jobs:
+        r = compile_kernel(fn, const, warps, const.get("NSTAGE", 3))
+        r["num_warps"], r["elements_per_thread"] = warps, per_thread
+        report["kernels"][name] = r
+        if r["loops"]:  # per trip: one row block (rows kernel: pass 1, then pass 2), one TILE slice (decode)
+            work = "; ".join(f"loop of {lp['instructions']} ({lp['instructions'] / per_thread:.1f} an element)"
+                             for lp in r["loops"])
+        else:
+            work = f"{r['sass'] / per_thread:.0f} an element"
+        print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled, {r['sass']} SASS; {work};"
+              f" {per_thread} elements a thread (a trip)")
+        print(f"    {r['top']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
