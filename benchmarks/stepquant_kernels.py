@@ -66,10 +66,11 @@ DESIGN = (
     " (`backends/state_pool.py`)."
 )
 NOTES: list[str] = [  # findings of the measured run
-    "**Short of the 3x target; 2.1-5.9x faster than the single-program step it replaces** (one program per"
-    " (request, head) holding the whole 128 x 128 state: 255 registers with spills on Triton 3.6, one program"
-    " per SM; it measured 0.487 ms / 0.16x for house-qwen3next @6 and 6.68 ms / 0.12x, 3.34 ms / 0.24x for the"
-    " 48-head layer). The 48-head layer is now at 0.71x / 0.62x of FP32 at @6 / @4 with the default launch (best launch 0.72x / 0.66x).",
+    "**Short of the 3x target; 2.3-6.0x faster than the single-program step it replaces**, replayed from CUDA"
+    " graphs (1.1-5.9x with Python launches, which dominate the 4-head layer). That step held a whole 128 x 128"
+    " head in one program (255 registers with spills on Triton 3.6, one program per SM) and measured 0.487 ms /"
+    " 0.16x for house-qwen3next @6 and 6.68 ms / 0.12x, 3.34 ms / 0.24x for the 48-head layer. The 48-head"
+    " layer is now at 0.71x / 0.62x of FP32 at @6 / @4 with the default launch (best launch 0.72x / 0.66x).",
     "Where the time goes (48 heads @6, torch profiler, best launch): rows kernel 0.44 ms (its pass 1, the"
     " readout alone: 0.27 ms, 2.9x faster than the FP32 update), fit kernel 0.68 ms. The fit is bound by"
     " instructions: ~36 SASS instructions an element (Triton 3.6, sm_90: absmax, two level searches, the refit"
