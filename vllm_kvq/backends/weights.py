@@ -35,18 +35,17 @@ def _weight_ok(linear: nn.Module) -> bool:
         fp8_weights.is_fp8(linear) or (weight.dtype.is_floating_point and weight.element_size() >= 2))
 
 
-def _rotate(linear: nn.Module, rotate_dense, rows: slice, cols: slice) -> None:
-    """Apply ``rotate_dense`` (in place, on an fp32 copy of the weight) and store
-    the touched region back: cast for dense weights, requantized for FP8."""
+def _rotate(linear: nn.Module, rotate_heads, rows: slice, cols: slice) -> None:
+    """Apply ``rotate_heads`` (in place; it multiplies one head block at a time
+    in fp32) to the weight: directly for dense weights, so only one head block
+    is ever held in fp32; on the dequantized weight for FP8, whose touched
+    region is then requantized."""
     if fp8_weights.is_fp8(linear):
         dense = fp8_weights.dequantize(linear)
-        rotate_dense(dense)
+        rotate_heads(dense)
         fp8_weights.requantize(linear, dense, rows, cols)
         return
-    weight = linear.weight.data
-    dense = weight.float()
-    rotate_dense(dense)
-    weight[rows, cols] = dense[rows, cols].to(weight.dtype)
+    rotate_heads(linear.weight.data)
 
 
 def fold_value_rotations(model: nn.Module) -> int:
@@ -73,15 +72,15 @@ def fold_value_rotations(model: nn.Module) -> int:
         heads = local_kv_heads(hkv, impl.artifact.num_kv_heads)
         q_start, group = _local_query_start(hq), impl.heads_per_kv
 
-        def rotate_v_rows(w: torch.Tensor) -> None:  # W_v[head j] <- R_j^T W_v[head j]
+        def rotate_v_rows(w: torch.Tensor) -> None:  # W_v[head j] <- R_j^T W_v[head j], in fp32
             for j, r in enumerate(r_v):
                 rows = w[v_rows.start + j * d : v_rows.start + (j + 1) * d]
-                rows.copy_(r.t().to(w.device) @ rows)
+                rows.copy_(r.t().to(w.device) @ rows.float())
 
-        def rotate_o_cols(w: torch.Tensor) -> None:  # W_o[:, head h] <- W_o[:, head h] R_kv(h)
+        def rotate_o_cols(w: torch.Tensor) -> None:  # W_o[:, head h] <- W_o[:, head h] R_kv(h), in fp32
             for h in range(hq):
                 cols = w[:, h * d : (h + 1) * d]
-                cols.copy_(cols @ r_v[(q_start + h) // group - heads[0]].to(w.device))
+                cols.copy_(cols.float() @ r_v[(q_start + h) // group - heads[0]].to(w.device))
 
         with torch.no_grad():
             _rotate(qkv, rotate_v_rows, v_rows, slice(0, qkv.weight.shape[1]))
