@@ -43,8 +43,9 @@ def run(greedy, prompts, kvq=None, return_ranks=False, **kw):
         shutdown(llm)
 
 
-def compare(got, ref):
-    """Tokens equal up to the reference's first near tie; |dlogprob| there."""
+def compare(got, ref, label: str, pages: str = ""):
+    """Tokens equal up to the reference's first near tie; |dlogprob| there
+    (printed under ``label``, with ``pages`` after)."""
     compared, diffs = 0, []
     for a, b in zip(got, ref):
         steps = b.outputs[0].logprobs
@@ -55,7 +56,9 @@ def compare(got, ref):
         compared += clear
         diffs += [abs(a.outputs[0].logprobs[i][t].logprob - steps[i][t].logprob)
                   for i, t in enumerate(b.outputs[0].token_ids[:clear])]
-    return compared, sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0)
+    mean, worst = sum(diffs) / max(len(diffs), 1), max(diffs, default=0.0)
+    print(f"\n{label}: {compared} tokens equal up to ties, |dlogprob| mean {mean:.4f} max {worst:.4f}{pages}")
+    return compared, mean, worst
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +74,8 @@ def fp32(greedy, prompts):
 def test_fp16_pool_is_transparent(greedy, prompts, fp32):
     page_ref, ref = fp32
     page, got = run(greedy, prompts, {"state": "uniform", "state_bits": 16})
-    compared, mean, worst = compare(got, ref)
-    print(f"\nFP16 pool vs FP32: {compared} tokens equal, |dlogprob| mean {mean:.4f} max {worst:.4f}; "
-          f"state pool {page:,} B vs {page_ref:,} B per request")
+    compared, mean, worst = compare(got, ref, "FP16 pool vs FP32",
+                                    f"; state pool {page:,} B vs {page_ref:,} B per request")
     assert compared >= 36  # a quarter of the 144 generated tokens at least
     assert mean < 0.02 and worst < 0.1
     assert page < 0.6 * page_ref
@@ -82,9 +84,8 @@ def test_fp16_pool_is_transparent(greedy, prompts, fp32):
 def test_uniform_int6_pool_is_close_and_small(greedy, prompts, fp32):
     page_ref, ref = fp32
     page, got = run(greedy, prompts, {"state": "uniform", "state_bits": 6})
-    compared, mean, worst = compare(got, ref)
-    print(f"\nuniform INT6 vs FP32: {compared} tokens equal up to ties, |dlogprob| mean {mean:.4f} max {worst:.4f}; "
-          f"state pool {page:,} B vs {page_ref:,} B per request ({page_ref / page:.2f}x)")
+    compared, _, _ = compare(got, ref, "uniform INT6 vs FP32",
+                             f"; state pool {page:,} B vs {page_ref:,} B per request ({page_ref / page:.2f}x)")
     assert compared >= 24
     # vLLM pads each state page to whole attention blocks; the pool picks small
     # blocks so the padding stays small: pages as allocated, conv state included
@@ -107,10 +108,8 @@ def test_stepquant_with_oscar_attention(greedy, prompts, fp32, stepquant_with_os
     kvq, (page, got, ranks) = stepquant_with_oscar
     oscar_only = {k: v for k, v in kvq.items() if not k.startswith("state")}
     _, ref = run(greedy, prompts, oscar_only, attention_backend="OSCAR")
-    compared, mean, worst = compare(got, ref)
-    print(f"\nSTEPQuant @6 + OSCAR vs OSCAR + FP32 state: {compared} tokens equal up to ties, "
-          f"|dlogprob| mean {mean:.4f} max {worst:.4f}; state pool {page:,} B vs {page_ref:,} B "
-          f"({page_ref / page:.2f}x)")
+    compared, mean, _ = compare(got, ref, "STEPQuant @6 + OSCAR vs OSCAR + FP32 state",
+                                f"; state pool {page:,} B vs {page_ref:,} B ({page_ref / page:.2f}x)")
     assert compared >= 24 and mean < 0.05
     assert page_ref / page >= 4.5
     plan = StepQuantPlan.load(PLAN)
@@ -131,9 +130,7 @@ def test_tensor_parallel_ranks_hold_their_own_heads(greedy, prompts, stepquant_w
             assert tuple(layer["bits"]) == plan.head_bits(6, layer["layer"])[2 * rank: 2 * rank + 2]
     sizes = {layer["shape"][0] for layers in ranks for layer in layers}
     assert len(sizes) == 1  # one record size for every layer and rank
-    compared, mean, worst = compare(two, one)
-    print(f"\nTP=2 vs TP=1 (STEPQuant @6 + OSCAR): {compared} tokens equal up to ties, "
-          f"|dlogprob| mean {mean:.4f} max {worst:.4f}")
+    compared, _, _ = compare(two, one, "TP=2 vs TP=1 (STEPQuant @6 + OSCAR)")
     assert compared >= 24
 
 
