@@ -21,8 +21,10 @@ the step is cut where those dependencies allow:
    (absmax, then one w²-weighted least-squares refit) and writes its codes and
    column scales. Pivot heads are rebuilt and stored as fp16 here.
 
-Tiles are ``[4, rows, columns/4]``: element (a, i, b) is column ``4 b + a`` of
-key row i, so the codes of a byte (of a 6-bit 24-bit word) stay in one thread.
+Tiles put the 4 columns of a code group first, so the codes of a byte (of a
+6-bit 24-bit word) stay in one thread: ``[4, rows, columns/4]`` in the rows
+kernel, ``[4, columns/4, rows]`` in the fit kernel (key rows last: Triton then
+gives each thread several rows, and the column sums stay mostly in a thread).
 The record is rewritten in place: the first kernel touches only row factors
 (after reading them), the second only its own columns. Scratch (``δ`` and the
 old row factors, a few hundred bytes per head) comes from torch's allocator; no
