@@ -28,17 +28,11 @@ def kivi(request):
 
 def test_kivi_path_matches_standalone_pytorch(kivi, greedy):
     from tests.backends.kivi_standalone import KiviStandalone
-    from tests.backends.oscar_standalone import compare_with_standalone
+    from tests.backends.oscar_standalone import assert_matches_standalone
     from vllm_kvq.artifacts import OscarArtifact
 
     llm, kvq = kivi
     art = OscarArtifact.load(kvq["artifact"]) if "artifact" in kvq else None
     ref = KiviStandalone(model_path(), kvq["sink"], kvq["window"], 128, kvq.get("key_pairs", "fp16"), art)
     prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
-    outs = llm.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
-    c = compare_with_standalone(outs, ref)
-    print(f"\nvLLM KIVI vs standalone: {c['tokens']} prompt tokens, |dlogprob| mean {c['mean']:.5f} "
-          f"p99 {c['p99']:.5f}; greedy agreement {c['agree']}/{c['total']}; INT2 vs BF16 in the standalone "
-          f"model: mean {c['effect']:.5f}")
-    assert c["mean"] < 0.1 * c["effect"] and c["mean"] < 5e-3 and c["p99"] < 3e-2
-    assert c["agree"] == c["total"]
+    assert_matches_standalone(llm, prompts, ref, greedy(8, prompt_logprobs=0, logprobs=0), "KIVI")

@@ -23,7 +23,7 @@ def tiered_llm():
 
 
 def test_tiered_path_matches_standalone_pytorch(tiered_llm, greedy):
-    from tests.backends.oscar_standalone import OscarStandalone, compare_with_standalone
+    from tests.backends.oscar_standalone import OscarStandalone, assert_matches_standalone
     from vllm_kvq.artifacts import OscarArtifact
     from vllm_kvq.kernels.tiered.reference import dequantize_tiers, quantize_tiers
 
@@ -38,13 +38,7 @@ def test_tiered_path_matches_standalone_pytorch(tiered_llm, greedy):
 
     ref = OscarStandalone(model_path(), art, KVQ["sink"], KVQ["window"], 128, codec)
     prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
-    outs = tiered_llm.generate(prompts, greedy(8, prompt_logprobs=0, logprobs=0), use_tqdm=False)
-    c = compare_with_standalone(outs, ref)
-    print(f"\nvLLM tiered vs standalone: {c['tokens']} prompt tokens, |dlogprob| mean {c['mean']:.5f} "
-          f"p99 {c['p99']:.5f}; greedy agreement {c['agree']}/{c['total']}; tiered vs BF16 in the standalone "
-          f"model: mean {c['effect']:.5f}")
-    assert c["mean"] < 0.1 * c["effect"] and c["mean"] < 5e-3 and c["p99"] < 3e-2
-    assert c["agree"] == c["total"]
+    assert_matches_standalone(tiered_llm, prompts, ref, greedy(8, prompt_logprobs=0, logprobs=0), "tiered")
 
 
 def bound_layers(model) -> list:
