@@ -80,7 +80,7 @@ def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> in
 
 
 LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
-            for w, st, t in ((1, 3, 64), (2, 3, 64), (2, 4, 64), (2, 3, 128), (2, 4, 128), (4, 3, 128))]
+            for w, st, t in ((1, 5, 64), (1, 3, 64), (1, 6, 64), (1, 5, 32), (1, 2, 32), (2, 5, 64), (4, 5, 128))]
 STORE_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in ((16, 4), (16, 2), (32, 4), (32, 8))]
 
 

@@ -27,11 +27,15 @@ REAL = dict(d=128, hkv=8, group=4, g=128, kb=128, sink=64, window=256)
 SHAPES = [SMALL, dict(SMALL, g=64)]
 if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
     SHAPES += [REAL, dict(REAL, g=64)]
+# decode also takes a group that is not a power of two and a sink + window
+# over several BF16 tiles
+DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24)]
 # decode launches: the default, and on a GPU half-page steps on one and two warps
 DECODE_LAUNCHES = [None]
 if DEV == "cuda":
-    DECODE_LAUNCHES += [{"num_warps": 2, "num_stages": 3, "tile": 64}, {"num_warps": 1, "num_stages": 2, "tile": 64},
-                        {"num_warps": 4, "num_stages": 3, "tile": 128}]
+    DECODE_LAUNCHES += [{"num_warps": 2, "num_stages": 5, "tile": 64}, {"num_warps": 1, "num_stages": 3, "tile": 64},
+                        {"num_warps": 1, "num_stages": 5, "tile": 32}, {"num_warps": 1, "num_stages": 2, "tile": 16},
+                        {"num_warps": 4, "num_stages": 5, "tile": 128}]
 
 
 def _fmt(s):
@@ -120,7 +124,8 @@ def test_store_clip_ties(clips):
     assert torch.equal(got.cpu(), want)
 
 
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")
+@pytest.mark.parametrize("shape", DECODE_SHAPES,
+                         ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}-group{s['group']}-W{s['window']}")
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("launch", DECODE_LAUNCHES)
 def test_decode_matches_reference(shape, splits, launch):

@@ -29,7 +29,7 @@ import triton.language as tl
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
 LOG2E = 1.4426950408889634
-LAUNCH = {"num_warps": 1, "num_stages": 3, "tile": 64}  # the best of the H200 sweep (benchmarks/results/oscar_kernels.json)
+LAUNCH = {"num_warps": 1, "num_stages": 6, "tile": 64}  # the best of the H200 sweep (benchmarks/results/oscar_kernels.json)
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -58,30 +58,19 @@ def _quarter(codes, J: tl.constexpr):
 
 
 @triton.jit
-def _quarter_asm(codes, J: tl.constexpr):
-    """:func:`_quarter` on packed registers (compiled path only): four code
-    bytes become two fp16 pairs with two byte permutes and two AND/ORs."""
-    if J == 0:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-            "lop3.b32 $0, t0, 0x00030003, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00030003, 0x64006400, 0xea; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    elif J == 1:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-            "lop3.b32 $0, t0, 0x000c000c, 0x64006400, 0xea; lop3.b32 $1, t1, 0x000c000c, 0x64006400, 0xea; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    elif J == 2:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-            "lop3.b32 $0, t0, 0x00300030, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00300030, 0x64006400, 0xea; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        y = tl.inline_asm_elementwise(
-            "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-            "lop3.b32 $0, t0, 0x00c000c0, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00c000c0, 0x64006400, 0xea; }",
-            "=r,=r,r", [codes], dtype=tl.float16, is_pure=True, pack=4)
-    return y
+def _quarters_asm(codes):
+    """:func:`_quarter` of all four quarters from packed registers (compiled
+    path only): four code bytes are spread to two fp16 lanes pairs by two byte
+    permutes, shared by the quarters; each quarter then takes one AND/OR per
+    two codes."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b32 t0, t1; prmt.b32 t0, $8, 0, 0x4140; prmt.b32 t1, $8, 0, 0x4342; "
+        "lop3.b32 $0, t0, 0x00030003, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00030003, 0x64006400, 0xea; "
+        "lop3.b32 $2, t0, 0x000c000c, 0x64006400, 0xea; lop3.b32 $3, t1, 0x000c000c, 0x64006400, 0xea; "
+        "lop3.b32 $4, t0, 0x00300030, 0x64006400, 0xea; lop3.b32 $5, t1, 0x00300030, 0x64006400, 0xea; "
+        "lop3.b32 $6, t0, 0x00c000c0, 0x64006400, 0xea; lop3.b32 $7, t1, 0x00c000c0, 0x64006400, 0xea; }",
+        "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
 
 
 @triton.jit
@@ -174,15 +163,17 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     a1 = tl.zeros([GP, D4], tl.float32)
     a2 = tl.zeros([GP, D4], tl.float32)
     a3 = tl.zeros([GP, D4], tl.float32)
-    # codes are software-pipelined by Triton (they feed the dots); the scales
-    # feed registers, so they are fetched one page ahead by hand
+    # codes are software-pipelined by Triton (they feed the dots): their
+    # address comes from the loop index alone (one block-table read a step),
+    # so the pipeliner can keep several steps in flight; the scales feed
+    # registers, so they are fetched one step ahead by hand
     # a step is TILE tokens of one page (SUB steps a page)
     step_lo = page_lo * SUB
     step_hi = page_hi * SUB
     base_next = _page_base(row, page_lo, step_lo < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
     ksm_next, vsm_next = _load_scales(cache_f16, base_next, t, D, NG, KB)
     for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
-        base = base_next + (step % SUB) * (TILE * D4)
+        base = _page_base(row, step // SUB, True, H, h, D, NG, KB, STATE_BLOCKS) + (step % SUB) * (TILE * D4)
         ksm = ksm_next
         vsm = vsm_next
         nxt = step + 1
@@ -195,10 +186,7 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
         vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, TILE, NG)
         if ASM:
-            k0 = _quarter_asm(kc, 0)
-            k1 = _quarter_asm(kc, 1)
-            k2 = _quarter_asm(kc, 2)
-            k3 = _quarter_asm(kc, 3)
+            k0, k1, k2, k3 = _quarters_asm(kc)
         else:
             kq = kc.to(tl.int16)
             k0 = _quarter(kq, 0)
@@ -240,10 +228,7 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             bias_b = 1024.0 * tl.sum(pb.to(tl.float32), axis=1)
             min_b = tl.sum(p * vm_b[None, :], axis=1)
         if ASM:
-            v0 = _quarter_asm(vc, 0)
-            v1 = _quarter_asm(vc, 1)
-            v2 = _quarter_asm(vc, 2)
-            v3 = _quarter_asm(vc, 3)
+            v0, v1, v2, v3 = _quarters_asm(vc)
         else:
             vq = vc.to(tl.int16)
             v0 = _quarter(vq, 0)
@@ -359,9 +344,6 @@ def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block
     return max(1, min(want, longest, 256))
 
 
-BF16_TILE = 64
-
-
 def decode_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -387,19 +369,20 @@ def decode_attention(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), BF16_TILE)
-    parts = splits + n_bf16
     lc = launch or LAUNCH
+    tile = min(lc["tile"], fmt.block_size)
+    n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), tile)
+    parts = splits + n_bf16
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hq, parts, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, h, parts)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16), o_part, lse_part,
-        scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=max(16, triton.next_power_of_2(group)),
+        scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        NUM_BF16=n_bf16, BLOCK_N=BF16_TILE, ASM=_compiled(q), NSTAGE=lc["num_stages"],
-        TILE=min(lc.get("tile", fmt.block_size), fmt.block_size), num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        NUM_BF16=n_bf16, BLOCK_N=tile, ASM=_compiled(q), NSTAGE=lc["num_stages"],
+        TILE=tile, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)
     return out
