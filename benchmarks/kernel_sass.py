@@ -35,7 +35,7 @@ from vllm_kvq.kernels.oscar import triton_decode
 from vllm_kvq.kernels.stepquant import triton_step
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4})\*/\s+(.*?);")
+SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 # argument types by name (everything else is an i32 scalar)
 POINTERS = {
     "pool": "*u8", "pool16": "*fp16", "idx_ptr": "*i32", "heads_ptr": "*i32", "codes_ptr": "*i32",
