@@ -9,7 +9,7 @@ specialisations a real launch gets (16-byte aligned pointers and strides);
 the report gives registers, spill bytes, the static SASS count, and the
 instructions of each loop body (one trip).
 
-    python benchmarks/kernel_sass.py [--kernels rows fit decode] [--bits 6 4] [--json PATH]
+    python benchmarks/kernel_sass.py [--kernels rows fit decode store] [--bits 6 4] [--json PATH]
 
 The counts depend on the Triton version: the GPU machine runs Triton 3.6
 (``pip install triton==3.6.0`` into a separate environment and run this
@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from vllm_kvq.kernels.oscar import triton_decode
+from vllm_kvq.kernels.oscar import triton_decode, triton_store
 from vllm_kvq.kernels.stepquant import triton_step
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -42,10 +42,12 @@ POINTERS = {
     "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
     "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
     "rold_ptr": "*fp32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16",
-    "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32",
+    "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*fp32", "k_out_ptr": "*bf16",
+    "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32",
 }
 FLOATS = {"q_scale"}
-ALIGNED = {"slot_stride", "sqn", "skn", "svn", "stride_qb", "stride_qh", "bt_stride"}
+ALIGNED = {"slot_stride", "sqn", "skn", "svn", "stride_qb", "stride_qh", "bt_stride", "stride_kt", "stride_kh",
+           "stride_vt", "stride_vh"}
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
@@ -104,15 +106,32 @@ def decode_job() -> tuple:
             2 * lc["tile"] * 128 // (32 * lc["num_warps"]))
 
 
+def store_jobs() -> list[tuple]:
+    """The write path at a prefill chunk's launch, with and without the K
+    rotation (no loop: the clip search and the rotation are unrolled)."""
+    lc = triton_store.STORE_LARGE
+    jobs = []
+    for rotate in (True, False):
+        const = dict(H=8, D=128, G=128, KB=128, SINK=64, WINDOW=256, RING=256, STATE_BLOCKS=18, ROWS=18,
+                     ROTATE=rotate, DATA=True, STATE=True, BLOCK_T=lc["block_t"], ROT_PRECISION="tf32x3",
+                     DECODE=False, SLOTS=False)
+        jobs.append((f"oscar store ({'rotated' if rotate else 'unrotated'} K)", triton_store._store_kernel, const,
+                     lc["num_warps"], 2 * lc["block_t"] * 128 // (32 * lc["num_warps"])))
+    return jobs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", nargs="*", default=["rows", "fit", "decode"], choices=["rows", "fit", "decode"])
+    ap.add_argument("--kernels", nargs="*", default=["rows", "fit", "decode", "store"],
+                    choices=["rows", "fit", "decode", "store"])
     ap.add_argument("--bits", nargs="*", type=int, default=[6, 4])
     ap.add_argument("--json")
     args = ap.parse_args()
     jobs = [j for j in stepquant_jobs(args.bits) if j[0].split()[1].rstrip(",") in args.kernels]
     if "decode" in args.kernels:
         jobs.append(decode_job())
+    if "store" in args.kernels:
+        jobs += store_jobs()
     report = {"triton": triton.__version__, "target": "sm_90a", "kernels": {}}
     print(f"Triton {triton.__version__}, sm_90a")
     for name, fn, const, warps, per_thread in jobs:
