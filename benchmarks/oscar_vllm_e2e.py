@@ -4,14 +4,9 @@ A random-weight Qwen3-4B-shaped model (vLLM's ``load_format="dummy"``:
 speed does not depend on weights) serves the same job with each backend at
 the same ``gpu_memory_utilization``: N requests with P-token prompts that
 generate G tokens each, more requests than either backend can hold at once.
-The engine is stepped in this process so every step can be classified:
-
-- KV capacity: what vLLM reports at start (tokens);
-- concurrent batch: the most requests running in one step;
-- steady-state decode tokens/s: tokens over the time of the steps in which
-  every running request decodes and none is admitted or prefilled;
-- prefill tokens/s: prompt tokens over the time of the steps with a prefill;
-- job tokens/s: generated tokens over the job's wall time.
+It reports the KV capacity vLLM states at start (tokens) and the figures of
+``serving_job.run_job`` (concurrent batch, steady-state decode, prefill and
+job tokens/s).
 
 Each backend runs in its own process (``run`` sub-command); the parent
 writes ``benchmarks/results/oscar_vllm_e2e.json`` (or ``$OUT``) and prints a
@@ -29,8 +24,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serving_job import run_job  # noqa: E402
 
 QWEN3_4B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -69,45 +66,13 @@ def run(backend: str, args: argparse.Namespace) -> dict:
 
     graphs = {"cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
               "graphs_captured": compilation_counter.num_cudagraph_captured}
-    engine = llm.llm_engine
-    scheduler = engine.engine_core.engine_core.scheduler
-    capacity = engine.vllm_config.cache_config.kv_cache_size_tokens
+    capacity = llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
     params = SamplingParams(max_tokens=args.gen, temperature=0, ignore_eos=True, detokenize=False)
     gen = torch.Generator().manual_seed(0)
-    for i in range(args.requests):
-        ids = torch.randint(0, QWEN3_4B["vocab_size"], (args.prompt_len,), generator=gen).tolist()
-        engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
-    decode_t = decode_tok = prefill_t = 0.0
-    prefill_tok = batch = 0
-    prompt_done: dict[str, int] = {}  # prompt tokens computed so far, per request
-    start = report = time.perf_counter()
-    while engine.has_unfinished_requests():
-        if time.perf_counter() - report > 30:  # partial figures survive a time limit
-            report = time.perf_counter()
-            print("PROGRESS", {"s": round(report - start), "prompt_tokens": prefill_tok, "prefill_s": prefill_t,
-                               "decode_tokens": decode_tok, "decode_s": decode_t, "batch": batch}, flush=True)
-        running = {r.request_id for r in scheduler.running}
-        decoding = bool(running) and all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
-        t = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t
-        batch = max(batch, len(scheduler.running))
-        new = 0
-        for r in scheduler.running:
-            done = min(r.num_computed_tokens, r.num_prompt_tokens)
-            new += done - prompt_done.get(r.request_id, 0)
-            prompt_done[r.request_id] = done
-        if decoding and new == 0:
-            decode_t += dt
-            decode_tok += len(running)
-        elif new:
-            prefill_t += dt
-            prefill_tok += new
-    wall = time.perf_counter() - start
-    return {"backend": attention, "kv_cache_size_tokens": capacity, "concurrent_batch": batch,
-            "decode_tokens_per_s": decode_tok / decode_t if decode_t else None,
-            "decode_steps_time_s": decode_t, "prefill_tokens_per_s": prefill_tok / prefill_t if prefill_t else None,
-            "job_wall_s": wall, "job_generated_tokens_per_s": args.requests * args.gen / wall, **graphs}
+    prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, QWEN3_4B["vocab_size"], (args.prompt_len,),
+                                                           generator=gen).tolist())
+               for _ in range(args.requests)]
+    return {"backend": attention, "kv_cache_size_tokens": capacity, **run_job(llm, prompts, params), **graphs}
 
 
 def main() -> None:

@@ -64,8 +64,8 @@ SMALL = {
 LARGE = {**SMALL, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 16, "num_attention_heads": 16,
          "num_key_value_heads": 4, "linear_num_key_heads": 4, "linear_num_value_heads": 16,
          "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 4, "vocab_size": 32000}
-# Synthetic STEPQuant widths per GDN layer of SMALL (4 value heads), cycled over its layers: every width and
-# FP16 pivots (16), within the budget (a pivot counts as 8 bits).
+# Synthetic STEPQuant widths per 4 value heads (repeated for more heads), cycled over the GDN layers: every
+# width and FP16 pivots (16), within the budget (a pivot counts as 8 bits).
 PLAN_WIDTHS = {6: [(16, 6, 4, 2), (8, 6, 6, 4), (2, 8, 6, 8)], 4: [(16, 4, 2, 2), (6, 4, 4, 2), (4, 4, 4, 4)]}
 STAGED = {"kernels": "reference"}
 
@@ -122,7 +122,10 @@ def synthetic_plan(cfg: dict, path: Path) -> str:
     for layer in layers:
         w = torch.exp(torch.randn(hv, kd, generator=gen) * 0.4)
         impacts[layer] = w / w.log().mean(-1, keepdim=True).exp()
-    bits = {b: {layer: widths[i % len(widths)] for i, layer in enumerate(layers)} for b, widths in PLAN_WIDTHS.items()}
+    if hv % 4:
+        raise ValueError(f"synthetic plans repeat widths per 4 value heads, got {hv} heads")
+    bits = {b: {layer: widths[i % len(widths)] * (hv // 4) for i, layer in enumerate(layers)}
+            for b, widths in PLAN_WIDTHS.items()}
     StepQuantPlan(fingerprint=model_fingerprint(hf), layers=layers, num_v_heads=hv, k_dim=kd,
                   v_dim=cfg["linear_value_head_dim"], budgets=sorted(PLAN_WIDTHS, reverse=True), bits=bits,
                   impacts=impacts, num_k_heads=cfg["linear_num_key_heads"],
