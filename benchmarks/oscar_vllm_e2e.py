@@ -22,12 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_job import run_job  # noqa: E402
+from serving_job import run_child, run_job  # noqa: E402
 
 QWEN3_4B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -106,15 +105,7 @@ def main() -> None:
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                 if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")] + (
                 ["--cuda-graphs"] if args.cuda_graphs else [])
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-                stdout, stderr = proc.stdout, proc.stderr
-            except subprocess.TimeoutExpired as e:  # keep the other backend's run and this one's progress
-                stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-                stderr = f"timed out after {args.timeout_s} s"
-            lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
-            progress = [x for x in stdout.splitlines() if x.startswith("PROGRESS ")]
-            job[name] = json.loads(lines[-1][7:]) if lines else {"error": stderr[-2000:], "progress": progress[-1:]}
+            job[name] = run_child(cmd, env, args.timeout_s)
             print(name, job[name], flush=True)
         if "decode_tokens_per_s" in job["oscar"] and "decode_tokens_per_s" in job["bf16"]:
             for key in ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "prefill_tokens_per_s",

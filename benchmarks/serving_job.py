@@ -12,12 +12,30 @@ be told apart:
 - job tokens/s: generated tokens over the job's wall time.
 
 Partial figures are printed as ``PROGRESS`` lines every 30 s, so a run cut
-by a time limit still says how far it got.
+by a time limit still says how far it got. Each engine runs in its own
+process (``run_child``), which prints its figures as one ``RESULT`` line.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import time
+
+
+def run_child(cmd: list[str], env: dict, timeout_s: float | None) -> dict:
+    """Run one engine's process; its ``RESULT`` line as a dict, or ``error``
+    (the stderr tail) and the last ``PROGRESS`` line when it failed or ran
+    past ``timeout_s``."""
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        stdout, stderr = proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as e:  # keep this run's progress
+        stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stderr = f"timed out after {timeout_s} s"
+    lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
+    progress = [x for x in stdout.splitlines() if x.startswith("PROGRESS ")]
+    return json.loads(lines[-1][7:]) if lines else {"error": stderr[-2000:], "progress": progress[-1:]}
 
 
 def run_job(llm, prompts: list, params) -> dict:

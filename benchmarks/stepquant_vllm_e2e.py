@@ -32,7 +32,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,7 +39,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "scripts"))
 from cuda_state_check import LARGE, model_dir, synthetic_plan  # noqa: E402
-from serving_job import run_job  # noqa: E402
+from serving_job import run_child, run_job  # noqa: E402
 
 POOLS = {"fp32": None, "int6": {"state": "uniform", "state_bits": 6},
          "stepquant6": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}}
@@ -125,15 +124,7 @@ def main() -> None:
         for pool in args.pools:
             cmd = [sys.executable, __file__, "run", "--pool", pool, f"--requests={args.requests}",
                    f"--prompt-len={args.prompt_len}", f"--gen={args.gen}", f"--kv-gib={args.kv_gib}"]
-            try:
-                proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
-                stdout, stderr = proc.stdout, proc.stderr
-            except subprocess.TimeoutExpired as e:  # keep the other pools' runs and this one's progress
-                stdout = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-                stderr = f"timed out after {args.timeout_s} s"
-            lines = [x for x in stdout.splitlines() if x.startswith("RESULT ")]
-            progress = [x for x in stdout.splitlines() if x.startswith("PROGRESS ")]
-            job[pool] = json.loads(lines[-1][7:]) if lines else {"error": stderr[-2000:], "progress": progress[-1:]}
+            job[pool] = run_child(cmd, env, args.timeout_s)
             print(pool, job[pool], flush=True)
         base = job.get("fp32", {})
         for pool in args.pools:
