@@ -229,6 +229,25 @@ def _old_rows(rec16, rows_off, rows, BITS: tl.constexpr, V: tl.constexpr, Q: tl.
 
 
 @triton.jit
+def _row_block(rec, rec16, co, ro, kp, rows, a3, b3, BITS: tl.constexpr, V: tl.constexpr, Q: tl.constexpr):
+    """One block of key rows ``rows``: its raw code bytes, old row factors and
+    key entries (loads only, so a loop can issue them a block ahead)."""
+    b0, b1, b2 = _load_codes(rec + co, a3, rows[None, :, None], b3, BITS, V)
+    return b0, b1, b2, _old_rows(rec16, ro, rows, BITS, V, Q), tl.load(kp + rows)
+
+
+@triton.jit
+def _row_factor(mag, w, FAST: tl.constexpr):
+    """New row factor ``sqrt(mean |X| / impact)``, fp16-rounded; correctly
+    rounded unless FAST."""
+    if FAST:
+        r = _fp16_round(tl.sqrt(mag / w))
+    else:
+        r = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
+    return r
+
+
+@triton.jit
 def _rebuild(z, r, c, decay, FAST: tl.constexpr):
     """``S = exp(g) r c z`` from signed codes ``z``, old row factors ``r`` and
     column scales ``c`` (all broadcasting to z's shape); the reference's order
@@ -289,16 +308,12 @@ def _rows_kernel(
         acc_q = tl.zeros((4, RB, Q), tl.float32)
         kq = tl.zeros((RB,), tl.float32)
         rows = tl.arange(0, RB)
-        n0, n1, n2 = _load_codes(rec + co, a3, rows[None, :, None], b3, BITS, V)
-        n_r = _old_rows(rec16, ro, rows, BITS, V, Q)
-        n_k = tl.load(kp + rows)
+        n0, n1, n2, n_r, n_k = _row_block(rec, rec16, co, ro, kp, rows, a3, b3, BITS, V, Q)
         n_q = tl.load(qp + rows)
         for r0 in range(0, K, RB):
             c0, c1, c2, r_old, kk, qq = n0, n1, n2, n_r, n_k.to(tl.float32), n_q.to(tl.float32)
             ahead = (r0 + RB) % K + tl.arange(0, RB)
-            n0, n1, n2 = _load_codes(rec + co, a3, ahead[None, :, None], b3, BITS, V)
-            n_r = _old_rows(rec16, ro, ahead, BITS, V, Q)
-            n_k = tl.load(kp + ahead)
+            n0, n1, n2, n_r, n_k = _row_block(rec, rec16, co, ro, kp, ahead, a3, b3, BITS, V, Q)
             n_q = tl.load(qp + ahead)
             if BITS == 16:
                 s = decay * c0.to(tl.float32)
@@ -332,17 +347,13 @@ def _rows_kernel(
         if FIT and BITS != 16:
             RG: tl.constexpr = K * (V // 32)  # scratch floats per head (INT2: one row factor per 32 columns)
             rows = tl.arange(0, RB)
-            n0, n1, n2 = _load_codes(rec + co, a3, rows[None, :, None], b3, BITS, V)
-            n_r = _old_rows(rec16, ro, rows, BITS, V, Q)
-            n_k = tl.load(kp + rows)
+            n0, n1, n2, n_r, n_k = _row_block(rec, rec16, co, ro, kp, rows, a3, b3, BITS, V, Q)
             n_w = tl.load(w_ptr + h * K + rows)
             for r0 in range(0, K, RB):  # as pass 1: loads one block ahead
                 rows = r0 + tl.arange(0, RB)
                 c0, c1, c2, r_old, kk, w = n0, n1, n2, n_r, n_k.to(tl.float32), n_w
                 ahead = (r0 + RB) % K + tl.arange(0, RB)
-                n0, n1, n2 = _load_codes(rec + co, a3, ahead[None, :, None], b3, BITS, V)
-                n_r = _old_rows(rec16, ro, ahead, BITS, V, Q)
-                n_k = tl.load(kp + ahead)
+                n0, n1, n2, n_r, n_k = _row_block(rec, rec16, co, ro, kp, ahead, a3, b3, BITS, V, Q)
                 n_w = tl.load(w_ptr + h * K + ahead)
                 z = _signed(_codes(c0, c1, c2, a3, BITS), BITS)
                 x = _rebuild(z, r_old, c[:, None, :], decay, FAST) + kk[None, :, None] * delta[:, None, :]
@@ -352,16 +363,10 @@ def _rows_kernel(
                 elif BITS == 2:  # per 32-column group: [RB, Q], lanes of a group alike
                     w = w[:, None]
                     mag = tl.maximum(_group_rows(tl.sum(tl.abs(x), axis=0), RB, Q) * (1.0 / 32), 1e-20)
-                    if FAST:
-                        r_new = _fp16_round(tl.sqrt(mag / w))
-                    else:
-                        r_new = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
+                    r_new = _row_factor(mag, w, FAST)
                 else:
                     mag = tl.maximum(tl.sum(tl.sum(tl.abs(x), axis=0), axis=1) * (1.0 / V), 1e-20)
-                    if FAST:
-                        r_new = _fp16_round(tl.sqrt(mag / w))
-                    else:
-                        r_new = _fp16_round(tl.sqrt_rn(tl.math.div_rn(mag, w)))
+                    r_new = _row_factor(mag, w, FAST)
                 if BITS == 2:  # quads 8 g .. 8 g + 7 all hold group g: store from the first
                     quad = tl.arange(0, Q)[None, :]
                     at = rows[:, None] * (V // 32) + quad // 8
