@@ -26,9 +26,9 @@ Tiles put the 4 columns of a code group first, so the codes of a byte (of a
 kernel, ``[4, columns/4, rows]`` in the fit kernel (key rows last: Triton then
 gives each thread several rows, and the column sums stay mostly in a thread).
 The record is rewritten in place: the first kernel touches only row factors
-(after reading them), the second only its own columns. Scratch (``δ`` and the
-old row factors, a few hundred bytes per head) comes from torch's allocator; no
-host sync, fixed grids: CUDA-graph safe.
+(after reading them), the second only its own columns. Scratch (``δ``, V floats,
+and the old row factors, K·V/32 floats whatever the width: 2.5 KB per 128 x 128
+head) comes from torch's allocator; no host sync, fixed grids: CUDA-graph safe.
 
 Records live in a pool ``[slots, size]`` of uint8 whose slot stride may be
 larger than the record (vLLM's state view: the record sits inside a larger
