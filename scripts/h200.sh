@@ -18,7 +18,7 @@
 #   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh
+[ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh 0.32.0  # the version explicitly: a bare source passes on this script's arguments
 export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
 steps=" ${*:-tests statetests bench check graphs e2e state fp8 calib} "
