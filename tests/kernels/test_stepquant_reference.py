@@ -133,3 +133,26 @@ def test_impact_weighted_fit_beats_the_rowwise_baseline():
     y = ref.roundtrip(x, lay, w, "rowwise")
     step = (x.abs().amax(-1, keepdim=True) / 31).half().float()
     assert torch.equal(y, step * torch.round(x / step).clamp(-31, 31))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 6, 8])
+def test_in_place_levels_equal_quantize_levels(bits):
+    q = ref.qmax(bits)
+    edges = torch.tensor([-0.0, 0.0, 0.5, -0.5, 1.5, -1.5, 2.0, -2.0, 1.999, q + 0.5, -q - 9.0, 1e30, -1e30])
+    y = torch.cat([edges, torch.randn(4000) * (q + 2)])
+    want = ref.quantize_levels(y, bits)
+    got = ref._levels_into(y.clone(), bits)
+    assert torch.equal(got, want) and torch.equal(got.signbit(), want.signbit())
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_records_do_not_depend_on_the_cpu_request_slices(monkeypatch, fit):
+    lay = StateLayout((4, 6, 16, 8, 6) if fit == "rowwise" else (2, 4, 6, 16, 8, 6), 32, 64)
+    x = _states(11, len(lay.bits), 32, 64, seed=5)
+    w = _impact(len(lay.bits), 32)
+    whole = ref.encode(x, lay, w, fit)
+    monkeypatch.setattr(ref, "CPU_SLICE_BYTES", 3 * 4 * 32 * 64)  # 3 requests of one head: slices of 3, 3, 3, 2
+    assert len(ref._request_slices(11, 4 * 32 * 64, x.device)) == 4
+    assert torch.equal(ref.encode(x, lay, w, fit), whole)
+    alone = torch.cat([ref.encode(x[i : i + 1], lay, w, fit) for i in range(11)])
+    assert torch.equal(alone, whole)
