@@ -88,11 +88,12 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     lc = triton_step.LAUNCH
     jobs = []
     for b in bits:
+        rg = 128 * (128 // 32) if b == 2 else 128  # a layer of this width alone
         jobs.append((f"stepquant rows, {b}-bit", triton_step._rows_kernel, dict(BITS=b, K=128, V=128, RB=lc["rows_block"], FAST=True, ALIGN=4,
-                                                    FIT=True, ROWWISE=False), lc["rows_warps"],
+                                                    FIT=True, ROWWISE=False, RG=rg), lc["rows_warps"],
                      4 * lc["rows_block"] * 32 // (32 * lc["rows_warps"])))
         jobs.append((f"stepquant fit, {b}-bit", triton_step._fit_kernel,
-                     dict(BITS=b, K=128, V=128, TILE=lc["tile"], FAST=True, ALIGN=4, ROWWISE=False, ASM=True),
+                     dict(BITS=b, K=128, V=128, TILE=lc["tile"], FAST=True, ALIGN=4, ROWWISE=False, ASM=True, RG=rg),
                      lc["fit_warps"], lc["tile"] * 128 // (32 * lc["fit_warps"])))
     return jobs
 

@@ -38,7 +38,8 @@ from vllm_kvq.kernels.stepquant.triton_step import StepPlan, step, step_  # noqa
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = DEV == "cuda" and bool(os.environ.get("STEPQUANT_REAL_SHAPES"))
 # (bits per value head, K, V, batch, key heads)
-SMALL = [((2, 4, 6, 8, 16), 32, 32, 3, 5), ((8, 4, 16, 6), 64, 64, 2, 2)]
+SMALL = [((2, 4, 6, 8, 16), 32, 32, 3, 5), ((8, 4, 16, 6), 64, 64, 2, 2),
+         ((2, 6, 2), 32, 64, 2, 1)]  # INT2 over two column groups: two row factors per key row
 REAL_SHAPES = [((4, 6, 6, 8), 128, 128, 8, 2),
                ((6,) * 40 + (4,) * 4 + (8,) * 3 + (PIVOT,), 128, 128, 4, 16),
                ((4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (PIVOT,), 128, 128, 4, 16)]

@@ -26,9 +26,10 @@ Tiles put the 4 columns of a code group first, so the codes of a byte (of a
 kernel, ``[4, columns/4, rows]`` in the fit kernel (key rows last: Triton then
 gives each thread several rows, and the column sums stay mostly in a thread).
 The record is rewritten in place: the first kernel touches only row factors
-(after reading them), the second only its own columns. Scratch (``δ``, V floats,
-and the old row factors, K·V/32 floats whatever the width: 2.5 KB per 128 x 128
-head) comes from torch's allocator; no host sync, fixed grids: CUDA-graph safe.
+(after reading them), the second only its own columns. Scratch (``δ``, V
+floats, and the old row factors, K floats, or K·V/32 when the layer has INT2
+heads: 1 KB or 2.5 KB per 128 x 128 head) comes from torch's allocator; no host
+sync, fixed grids: CUDA-graph safe.
 
 Records live in a pool ``[slots, size]`` of uint8 whose slot stride may be
 larger than the record (vLLM's state view: the record sits inside a larger
@@ -274,7 +275,7 @@ def _rows_kernel(
     w_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr, delta_ptr, rold_ptr,
     sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh, H, QK_GROUP,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, RB: tl.constexpr, FAST: tl.constexpr,
-    ALIGN: tl.constexpr, FIT: tl.constexpr, ROWWISE: tl.constexpr,
+    ALIGN: tl.constexpr, FIT: tl.constexpr, ROWWISE: tl.constexpr, RG: tl.constexpr,
 ):
     """Program (j, n): readout, ``δ`` and new row factors of head ``heads[j]``
     of request n (see the module docstring)."""
@@ -345,7 +346,6 @@ def _rows_kernel(
 
         # pass 2: X row block by row block -> the new row factors
         if FIT and BITS != 16:
-            RG: tl.constexpr = K * (V // 32)  # scratch floats per head (INT2: one row factor per 32 columns)
             rows = tl.arange(0, RB)
             n0, n1, n2, n_r, n_k = _row_block(rec, rec16, co, ro, kp, rows, a3, b3, BITS, V, Q)
             n_w = tl.load(w_ptr + h * K + rows)
@@ -385,7 +385,7 @@ def _fit_kernel(
     w_ptr, k_ptr, g_ptr, delta_ptr, rold_ptr,
     skn, skh, sgn, sgh, H, QK_GROUP,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TILE: tl.constexpr, FAST: tl.constexpr,
-    ALIGN: tl.constexpr, ROWWISE: tl.constexpr, ASM: tl.constexpr,
+    ALIGN: tl.constexpr, ROWWISE: tl.constexpr, ASM: tl.constexpr, RG: tl.constexpr,
 ):
     """Program (t, j, n): value columns ``t*TILE ..`` of head ``heads[j]`` of
     request n, all key rows: rebuild X, fit the column scales, write the codes."""
@@ -412,7 +412,6 @@ def _fit_kernel(
             x = decay * tl.load(at).to(tl.float32) + kk * delta
             tl.store(at, x.to(tl.float16))
         else:
-            RG: tl.constexpr = K * (V // 32)
             ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
             cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2 + col2
             if BITS == 2:  # the tile lies in one 32-column group
@@ -492,6 +491,8 @@ class StepPlan:
             raise ValueError("the rowwise fit has no INT2 form (INT2 keeps one row factor per 32 columns)")
         self.layout = layout
         self.rowwise = fit == "rowwise"
+        # scratch floats per head for the old row factors (INT2 keeps one per 32 columns)
+        self.old_row_floats = k * (v // INT2_GROUP) if 2 in layout.bits else k
         self.impact = impact.to(device=device, dtype=torch.float32).contiguous()
         slots = layout.heads
 
@@ -562,7 +563,7 @@ def step_(
     lc = {**LAUNCH, **(launch or {})}
     rb, tile = min(lc["rows_block"], kd), min(lc["tile"], INT2_GROUP, vd)
     delta = torch.empty(n, h, vd, dtype=torch.float32, device=v.device)
-    rold = torch.empty(n, h, kd * (vd // INT2_GROUP), dtype=torch.float32, device=v.device)
+    rold = torch.empty(n, h, plan.old_row_floats, dtype=torch.float32, device=v.device)
     align = 4 if slot_stride % 4 == 0 else 2
     head = (pool, pool.view(torch.float16), state_indices, state_indices.stride(0), slot_stride, min_slot)
     LAST_KERNELS.clear()
@@ -573,7 +574,7 @@ def step_(
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1],
             BITS=grp.bits, K=kd, V=vd, RB=rb, FAST=fast, ALIGN=align, FIT=not readout_only,
-            ROWWISE=plan.rowwise, num_warps=lc["rows_warps"])
+            ROWWISE=plan.rowwise, RG=plan.old_row_floats, num_warps=lc["rows_warps"])
         LAST_KERNELS.append(("rows", grp.bits, kern))
     if readout_only:
         return out
@@ -583,7 +584,8 @@ def step_(
             *head, *tables, plan.impact, k, g, delta, rold,
             k.stride(0), k.stride(1), g.stride(0), g.stride(1), h, h // q.shape[1],
             BITS=grp.bits, K=kd, V=vd, TILE=tile, FAST=fast, ALIGN=align, ROWWISE=plan.rowwise,
-            ASM=v.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), num_warps=lc["fit_warps"])
+            ASM=v.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), RG=plan.old_row_floats,
+            num_warps=lc["fit_warps"])
         LAST_KERNELS.append(("fit", grp.bits, kern))
     return out
 
