@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_job import run_child, run_job  # noqa: E402
+from serving_job import GRAPHS, run_child, run_job  # noqa: E402
 
 QWEN3_4B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -36,7 +36,6 @@ QWEN3_4B = {
     "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
 }
 BACKENDS = {"bf16": ("TRITON_ATTN", None), "oscar": ("OSCAR", {"rotation": "hadamard"})}
-GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}  # vLLM's default capture sizes
 
 
 def run(backend: str, args: argparse.Namespace) -> dict:

@@ -22,6 +22,10 @@ import json
 import subprocess
 import time
 
+# Full CUDA graphs for decode-only batches, no torch.compile, every other batch
+# eager (vLLM's default capture sizes): the serving configuration both
+# backends' jobs use with --cuda-graphs.
+GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 
 def run_child(cmd: list[str], env: dict, timeout_s: float | None) -> dict:
     """Run one engine's process; its ``RESULT`` line as a dict, or ``error``

@@ -18,10 +18,11 @@ job tokens/s), with ratios against ``fp32`` from the same call.
 Models: on CUDA a dense Qwen3.5-style model with random weights (16 layers,
 12 GDN layers of 16 value heads of 128 x 128; ../shared/gpu-vllm has no MoE
 kernels), decode batches through the Triton step; on CPU house-qwen3next
-(the staged reference codec). Engines run eagerly (the pool needs
-``--enforce-eager`` on CUDA), each pool in its own process with its own time
-limit; results go to ``benchmarks/results/stepquant_vllm_e2e.json`` (or
-``$OUT``).
+(the staged reference codec). Engines run eagerly, or with ``--cuda-graphs``
+full CUDA graphs for decode-only batches in every engine (``serving_job.GRAPHS``;
+the job's key becomes ``cuda-graphs``), each pool in its own process with its
+own time limit; results go to ``benchmarks/results/stepquant_vllm_e2e.json``
+(or ``$OUT``).
 
     python benchmarks/stepquant_vllm_e2e.py --requests 512 --prompt-len 256 --gen 128 --kv-gib 2
 """
@@ -39,7 +40,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "scripts"))
 from cuda_state_check import LARGE, model_dir, synthetic_plan  # noqa: E402
-from serving_job import run_child, run_job  # noqa: E402
+from serving_job import GRAPHS, run_child, run_job  # noqa: E402
 
 POOLS = {"fp32": None, "int6": {"state": "uniform", "state_bits": 6},
          "stepquant6": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}}
@@ -75,7 +76,11 @@ def run(pool: str, args: argparse.Namespace) -> dict:
     if kvq is not None:
         kvq = {**kvq, "state_artifact": plan} if kvq.get("state_artifact") == "PLAN" else dict(kvq)
         kw["additional_config"] = {**kw["additional_config"], "kvq": kvq}
-    llm = LLM(model=model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", enforce_eager=True,
+    if args.cuda_graphs:
+        kw.update(enforce_eager=False, compilation_config=dict(GRAPHS))
+    else:
+        kw.update(enforce_eager=True)
+    llm = LLM(model=model, dtype="bfloat16", mamba_ssm_cache_dtype="float32",
               max_model_len=args.prompt_len + args.gen, max_num_seqs=args.requests,
               kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), enable_prefix_caching=False,
               async_scheduling=False, seed=0, **kw)
@@ -92,10 +97,11 @@ def run(pool: str, args: argparse.Namespace) -> dict:
            "state_bytes_per_request": sum(x["page_bytes"] for x in layers),
            "kv_cache_size_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens,
            **run_job(llm, prompts, params)}
-    packed = [x for x in layers if x["bits"] is not None]
-    if packed:
-        res["triton_decode"] = all(x["triton_decode"] for x in llm.apply_model(allocated_state_bytes)[0]
-                                   if x["bits"] is not None)
+    res["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+    if any(x["bits"] is not None for x in layers):
+        calls = [x["triton_calls"] for x in llm.apply_model(allocated_state_bytes)[0] if x["bits"] is not None]
+        res["triton_decode"] = min(calls) > 0
+        res["triton_calls_per_layer"] = max(calls)  # with graphs: warm-ups and captures, not replays
     return res
 
 
@@ -111,6 +117,7 @@ def main() -> None:
     p.add_argument("--label", default=None, help="key of this job in the JSON (default: the device)")
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=None, help="time limit of each pool's run")
+    p.add_argument("--cuda-graphs", action="store_true", help="full CUDA graphs for decode-only batches (GRAPHS)")
     args = p.parse_args()
     out = Path(args.json or (Path(os.environ["OUT"]) / "stepquant_vllm_e2e.json" if "OUT" in os.environ
                              else REPO / "benchmarks" / "results" / "stepquant_vllm_e2e.json"))
@@ -119,11 +126,12 @@ def main() -> None:
         return
     if args.mode == "all":
         job = {"date": str(datetime.date.today()), "requests": args.requests, "prompt_len": args.prompt_len,
-               "gen": args.gen, "kv_gib": args.kv_gib}
+               "gen": args.gen, "kv_gib": args.kv_gib, "cuda_graphs": args.cuda_graphs}
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         for pool in args.pools:
             cmd = [sys.executable, __file__, "run", "--pool", pool, f"--requests={args.requests}",
                    f"--prompt-len={args.prompt_len}", f"--gen={args.gen}", f"--kv-gib={args.kv_gib}"]
+            cmd += ["--cuda-graphs"] if args.cuda_graphs else []
             job[pool] = run_child(cmd, env, args.timeout_s)
             print(pool, job[pool], flush=True)
         base = job.get("fp32", {})
@@ -137,7 +145,7 @@ def main() -> None:
                             if r.get(k) and base.get(k)}
         results = json.loads(out.read_text()) if out.exists() else {}
         device = next((r["device"] for r in job.values() if isinstance(r, dict) and "device" in r), "failed")
-        results[args.label or ("cpu" if device == "cpu" else "cuda")] = job
+        results[args.label or ("cpu" if device == "cpu" else "cuda-graphs" if args.cuda_graphs else "cuda")] = job
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
     print(render(json.loads(out.read_text())))

@@ -19,7 +19,12 @@ reports which path its decode batches took, and a mismatch is listed under
    staged. Random weights make nearly every step a near tie, so the check is
    on log-probabilities up to each prompt's first differing token: the FP16
    pool's must be within 0.01 of FP32's on average, and the Triton step's
-   within 0.01 of the staged path's on the same plan.
+   within 0.01 of the staged path's on the same plan. The plan again with
+   full CUDA graphs for decode-only batches (``GRAPHS``, padded batches
+   included) must be within 0.01 of its eager run, and must have replayed:
+   every layer counts the decode batches that ran the step from Python
+   (``triton_calls_per_layer``), which graphs cut to warm-ups and captures.
+   vLLM's default graph mode must be refused at start, naming the fix.
 2. ``speed``: a larger model (16 value heads of 128 x 128 per GDN layer), 256
    requests decoding at once (eager): tokens/s with FP32 states, the INT6
    pool through the Triton step, and staged. ``tok_s`` is the whole
@@ -33,7 +38,7 @@ importance; a failed engine is reported (error and log tail; full log in
 past ``--budget-s`` are skipped. Results: ``$OUT/cuda_state_check.json``,
 rewritten after every engine.
 
-    python scripts/cuda_state_check.py [check] [speed] [--budget-s 540]
+    python scripts/cuda_state_check.py [check] [speed] [--only NAME ...] [--budget-s 540]
 """
 
 from __future__ import annotations
@@ -68,19 +73,25 @@ LARGE = {**SMALL, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_la
 # width and FP16 pivots (16), within the budget (a pivot counts as 8 bits).
 PLAN_WIDTHS = {6: [(16, 6, 4, 2), (8, 6, 6, 4), (2, 8, 6, 8)], 4: [(16, 4, 2, 2), (6, 4, 4, 2), (4, 4, 4, 4)]}
 STAGED = {"kernels": "reference"}
+# Full CUDA graphs for decode-only batches; 16 requests pad to the capture size 24 (padding rows: slot -1)
+GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 24]}
 
 CHECK = dict(model="small", mem=0.2, max_len=2048, batch=16, requests=16, prompt_len=400, gen=32, logprobs=True,
              timeout=240)
 SPEED = dict(model="large", mem=0.5, max_len=1024, batch=256, requests=256, prompt_len=256, gen=64, logprobs=False,
              timeout=240)
-# (step, name, kvq settings or None for FP32 states, expected decode path); most important first
+# (step, name, kvq settings or None for FP32 states, expected decode path); most important first. Names
+# ending in _graphs run with GRAPHS (``refused``: start-up must refuse vLLM's default graph mode).
 JOBS = [
     ("check", "fp32_state", None, None),
+    ("check", "stepquant_mixed", {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}, "triton"),
+    ("check", "stepquant_mixed_graphs", {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"},
+     "triton"),
+    ("check", "uniform_int6_default_graphs", {"state": "uniform", "state_bits": 6}, "refused"),
     ("check", "fp16_pool", {"state": "uniform", "state_bits": 16}, "triton"),
     ("check", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
     ("speed", "fp32_state", None, None),
     ("speed", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
-    ("check", "stepquant_mixed", {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}, "triton"),
     ("check", "stepquant_mixed_staged",
      {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", **STAGED}, "staged"),
     ("speed", "uniform_int6_staged", {"state": "uniform", "state_bits": 6, **STAGED}, "staged"),
@@ -146,9 +157,21 @@ def engine(job: dict) -> dict:
     # the bundle has no FlashInfer: vLLM's Triton GDN prefill
     extra = {"gdn_prefill_backend": "triton"}
     kw = {"additional_config": {**extra, "kvq": job["kvq"]} if job["kvq"] else extra}
+    if job.get("graphs") == "default":  # vLLM's own default (compiled, FULL_AND_PIECEWISE): must be refused
+        try:
+            LLM(model=job["model"], load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+                attention_backend="TRITON_ATTN", gpu_memory_utilization=job["mem"], max_model_len=job["max_len"],
+                enable_prefix_caching=False, **kw)
+        except Exception as e:  # noqa: BLE001 - the refusal is the result
+            return {"refused": f"{type(e).__name__}: {e}"[-400:]}
+        return {"refused": None}
+    if job.get("graphs"):
+        kw.update(enforce_eager=False, compilation_config=dict(GRAPHS))
+    else:
+        kw.update(enforce_eager=True)
     fmt = "auto" if (Path(job["model"]) / "model.safetensors").exists() else "dummy"
     llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16",
-              attention_backend="TRITON_ATTN", mamba_ssm_cache_dtype="float32", enforce_eager=True,
+              attention_backend="TRITON_ATTN", mamba_ssm_cache_dtype="float32",
               gpu_memory_utilization=job["mem"], max_model_len=job["max_len"], max_num_seqs=job["batch"],
               enable_prefix_caching=False, seed=0, **kw)
     g = torch.Generator().manual_seed(0)
@@ -176,8 +199,9 @@ def engine(job: dict) -> dict:
     layers = llm.apply_model(allocated_state_bytes)[0]
     packed = [x for x in layers if x["bits"] is not None]
     if packed:
-        used = {bool(x["triton_decode"]) for x in packed}
+        used = {x["triton_calls"] > 0 for x in packed}
         res["decode_path"] = "mixed" if len(used) > 1 else ("triton" if used.pop() else "staged")
+        res["triton_calls_per_layer"] = max(x["triton_calls"] for x in packed)
     res["state_page_bytes"] = sum(x["page_bytes"] for x in layers)
     return res
 
@@ -234,6 +258,9 @@ def summarize(report: dict, results: dict) -> None:
         want = next(e for s, n, _, e in JOBS if (s, n) == (step, name))
         if "error" in r:
             problems.append(f"{step} {name}: {r['error']}")
+        elif want == "refused":
+            if "FULL_DECODE_ONLY" not in (r.get("refused") or ""):
+                problems.append(f"{step} {name}: start-up did not refuse vLLM's default graph mode: {r}")
         elif r.get("decode_path") != want:
             problems.append(f"{step} {name}: decode path {r.get('decode_path')!r}, expected {want!r}")
     if check is not None:
@@ -241,19 +268,29 @@ def summarize(report: dict, results: dict) -> None:
         for (step, name), r in results.items():
             if step != "check":
                 continue
-            entry = check[name] = {k: r[k] for k in ("decode_path", "state_page_bytes", "engine_s", "error") if k in r}
-            if "error" in r or name == "fp32_state":
+            keys = ("decode_path", "triton_calls_per_layer", "state_page_bytes", "engine_s", "refused", "error")
+            entry = check[name] = {k: r[k] for k in keys if k in r}
+            if "error" in r or "refused" in r or name == "fp32_state":
                 continue
             if "tokens" in ref:
                 entry["vs_fp32"] = compare(r, ref)
             twin = results.get(("check", name + "_staged"))
             if twin and "tokens" in twin:
                 entry["vs_staged"] = compare(r, twin)
+            eager = results.get(("check", name.removesuffix("_graphs"))) if name.endswith("_graphs") else None
+            if eager and "tokens" in eager:
+                entry["vs_eager"] = compare(r, eager)
+                entry["eager_triton_calls_per_layer"] = eager.get("triton_calls_per_layer")
         verdict = {}
         if "vs_fp32" in check.get("fp16_pool", {}):
             verdict["fp16_pool_matches_fp32"] = check["fp16_pool"]["vs_fp32"]["dlogprob_mean"] < 0.01
         if "vs_staged" in check.get("stepquant_mixed", {}):
             verdict["triton_decode_matches_staged"] = check["stepquant_mixed"]["vs_staged"]["dlogprob_mean"] < 0.01
+        graphs = check.get("stepquant_mixed_graphs", {})
+        if "vs_eager" in graphs:
+            verdict["graphs_match_eager"] = graphs["vs_eager"]["dlogprob_mean"] < 0.01
+            # decode steps replayed: Python ran the step only to warm up and capture
+            verdict["graphs_replayed"] = graphs["triton_calls_per_layer"] < graphs["eager_triton_calls_per_layer"] / 2
         check["ok"] = bool(verdict) and all(verdict.values()) and not any(p.startswith("check") for p in problems)
         check["verdict"] = verdict
     if speed is not None:
@@ -276,6 +313,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("steps", nargs="*", choices=["check", "speed"], help="default: both")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no engine past this many seconds")
+    ap.add_argument("--only", nargs="*", help="run only these engines (JOBS names)")
     args = ap.parse_args()
     steps = args.steps or ["check", "speed"]
     OUT.mkdir(parents=True, exist_ok=True)
@@ -293,7 +331,7 @@ def main() -> None:
     models, results = {}, {}
     out = OUT / "cuda_state_check.json"
     for step, name, kvq, _ in JOBS:
-        if step not in steps:
+        if step not in steps or (args.only and name not in args.only):
             continue
         base = CHECK if step == "check" else SPEED
         left = args.budget_s - (time.time() - start)
@@ -312,7 +350,8 @@ def main() -> None:
             results[(step, name)] = {"error": f"setup failed: {e!r}"}
             print(step, name, results[(step, name)]["error"], flush=True)
             continue
-        job = {**base, "model": models[base["model"]], "kvq": kvq,
+        graphs = "default" if name.endswith("_default_graphs") else name.endswith("_graphs")
+        job = {**base, "model": models[base["model"]], "kvq": kvq, "graphs": graphs,
                "timeout": min(base["timeout"], int(left) - 10)}
         r = results[(step, name)] = run(f"{step}_{name}", job)
         shown = {k: v for k, v in r.items() if k not in ("tokens", "logprobs", "log_tail")}

@@ -14,6 +14,9 @@
 #          starting engines after 520 s; Triton decode vs staged vs FP32 states);
 #   state-e2e  serving with the packed pools against FP32 states at one cache budget,
 #          benchmarks/stepquant_vllm_e2e.py (~8 min; not by default);
+#   state-graphs  the pool under full CUDA graphs for decode-only batches against eager, and the
+#          refusal of vLLM's default graph mode, scripts/cuda_state_check.py (~6 min; not by default);
+#   state-e2e-graphs  the state-e2e job with full CUDA graphs for decodes in every engine (~8 min; not by default);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
 #   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min).
 set -uo pipefail
@@ -59,6 +62,17 @@ fi
 if [[ $steps == *" state-e2e "* ]]; then
   timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
     --timeout-s 185 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12; echo "state e2e rc=$?"
+fi
+if [[ $steps == *" state-graphs "* ]]; then
+  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
+    --only stepquant_mixed stepquant_mixed_graphs uniform_int6_default_graphs > "$OUT/cuda_state_check.log" 2>&1
+  echo "state graphs rc=$?"; tail -40 "$OUT/cuda_state_check.log"
+  [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
+fi
+if [[ $steps == *" state-e2e-graphs "* ]]; then
+  timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
+    --cuda-graphs --timeout-s 185 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12
+  echo "state e2e graphs rc=$?"
 fi
 if [[ $steps == *" fp8 "* ]]; then
   timeout 240 python3 scripts/cuda_fp8_check.py > "$OUT/cuda_fp8_check.log" 2>&1; echo "fp8 check rc=$?"

@@ -148,3 +148,39 @@ def test_state_pool_needs_a_gdn_model():
 def test_bad_state_settings_fail_at_start(kvq, message):
     with pytest.raises(Exception, match=message):
         make_llm(MODEL, dtype="bfloat16", additional_config={"kvq": kvq})
+
+
+@pytest.mark.parametrize("mode, kvq, message", [
+    ("NONE", {}, None),
+    ("FULL_DECODE_ONLY", {}, None),
+    ("FULL_AND_PIECEWISE", {}, "cudagraph_mode FULL_AND_PIECEWISE.*FULL_DECODE_ONLY.*--enforce-eager"),
+    ("PIECEWISE", {}, "cudagraph_mode PIECEWISE.*FULL_DECODE_ONLY"),
+    ("FULL", {}, "cudagraph_mode FULL\\).*FULL_DECODE_ONLY"),
+    ("FULL_DECODE_ONLY", {"kernels": "reference"}, "'reference' stages them.*--enforce-eager"),
+    ("FULL_DECODE_ONLY", {"k_dim": 96}, "power-of-two K.*--enforce-eager"),
+])
+def test_cuda_graph_modes_the_state_pool_takes(mode, kvq, message):
+    """On CUDA, full graphs may capture decode-only batches (the Triton step)
+    and nothing that stages states: the decision at start, for every mode."""
+    import dataclasses
+    import types
+
+    from transformers import AutoConfig
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from tests.conftest import model_path
+    from vllm_kvq import settings as kvq_settings
+    from vllm_kvq.backends.startup import _check_state_graphs
+    from vllm_kvq.backends.state_pool import pool_plan
+
+    k_dim = kvq.pop("k_dim", None)
+    s = kvq_settings.OscarSettings.from_dict({"state": "uniform", **kvq})
+    plan = pool_plan(s, AutoConfig.from_pretrained(model_path(MODEL)), 1)
+    if k_dim:
+        plan = dataclasses.replace(plan, k_dim=k_dim)
+    config = types.SimpleNamespace(compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
+    if message is None:
+        _check_state_graphs(config, s, plan)
+    else:
+        with pytest.raises(ValueError, match=message):
+            _check_state_graphs(config, s, plan)

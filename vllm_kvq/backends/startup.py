@@ -70,11 +70,8 @@ def check_state_config(vllm_config) -> None:
     model_config, cache_config = vllm_config.model_config, vllm_config.cache_config
     tp = vllm_config.parallel_config.tensor_parallel_size
     plan = pool_plan(s, model_config.hf_config, tp)
-    if not current_platform.is_cpu() and not model_config.enforce_eager:
-        raise ValueError(
-            "kvq.state stages packed states around vLLM's GDN kernels, which CUDA graphs cannot "
-            "capture; pass --enforce-eager"
-        )
+    if not current_platform.is_cpu():
+        _check_state_graphs(vllm_config, s, plan)
     if vllm_config.speculative_config is not None:
         raise ValueError("kvq.state does not support speculative decoding; drop the speculative config")
     if cache_config.enable_prefix_caching or cache_config.mamba_cache_mode != "none":
@@ -91,6 +88,35 @@ def check_state_config(vllm_config) -> None:
         "kvq.state: %s, %d B per layer and request against %d B in FP32 (%.2fx)",
         plan.source, plan.record_bytes, fp32, fp32 / plan.record_bytes,
     )
+
+
+STATE_GRAPHS_FIX = (
+    "pass --compilation-config '{\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}' (full CUDA graphs for "
+    "decode-only batches, other batches eager) or --enforce-eager"
+)
+
+
+def _check_state_graphs(vllm_config, s, plan) -> None:
+    """Decode-only batches run the packed Triton step, which full CUDA graphs
+    capture; every other batch stages states around vLLM's GDN kernels (host
+    indexing), which no graph can hold. So: no graphs, or full graphs for
+    decode-only batches and nothing else."""
+    from vllm.config import CUDAGraphMode
+
+    mode = vllm_config.compilation_config.cudagraph_mode
+    if mode == CUDAGraphMode.NONE:
+        return
+    if mode != CUDAGraphMode.FULL_DECODE_ONLY:
+        raise ValueError(
+            f"kvq.state stages the packed states of batches with a prefill around vLLM's GDN kernels, "
+            f"which CUDA graphs cannot capture (cudagraph_mode {mode.name}); {STATE_GRAPHS_FIX}"
+        )
+    from vllm_kvq.kernels.stepquant.triton_step import shape_error
+
+    why = ("kvq.kernels='reference' stages them" if s.kernels == "reference"
+           else shape_error(plan.k_dim, plan.v_dim))
+    if why:
+        raise ValueError(f"CUDA graphs would capture staged decode batches of kvq.state ({why}); pass --enforce-eager")
 
 
 def _small_blocks(vllm_config) -> None:

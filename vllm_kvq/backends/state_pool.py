@@ -133,6 +133,7 @@ class LayerPool:
     native_dtype: torch.dtype  # what vLLM's GDN kernels compute the state in
     kernels: str = "auto"  # kvq.kernels: "reference" keeps CUDA decode staged
     step_plan: object = None  # the Triton step's tables on the records' device (False: layout unsupported)
+    triton_calls: int = 0  # decode batches run through the Triton step from Python (a graph replay adds none)
 
 
 def layer_pool(layer) -> LayerPool | None:
@@ -151,6 +152,9 @@ def layer_pool(layer) -> LayerPool | None:
         plan = pool_plan(s, layer.model_config.hf_config, layer.tp_size)
         layout, impact = plan.local(layer.layer_idx, layer.tp_size, get_tensor_model_parallel_rank())
         pool = LayerPool(layout, impact, plan.fit, layer._kvq_native_dtypes()[1], s.kernels)
+        where = getattr(getattr(layer, "A_log", None), "device", None)
+        if where is not None and where.type == "cuda":
+            decode_plan(pool, where)  # now: a CUDA graph capture cannot copy its tables
     layer.__dict__["_kvq_pool"] = pool
     return pool
 
@@ -287,6 +291,9 @@ def decode_plan(pool: LayerPool, device: torch.device):
     if pool.step_plan is None:
         from vllm_kvq.kernels.stepquant.triton_step import StepPlan
 
+        if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("the STEPQuant step's tables must be built before a CUDA graph capture")
+
         try:
             pool.step_plan = StepPlan(pool.layout, pool.impact, device, pool.fit)
         except ValueError as e:
@@ -308,6 +315,7 @@ def _fused_decode(layer, md, plan, mixed_qkv, b, a, core_attn_out) -> None:
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 
+    layer_pool(layer).triton_calls += 1
     n = md.num_actual_tokens
     conv, records = layer.kv_cache
     slots = md.non_spec_state_indices_tensor[:n]
@@ -355,8 +363,9 @@ def allocated_state_bytes(model) -> list[dict]:
     """Per GDN layer of a loaded vLLM model (for ``LLM.apply_model``): the
     recurrent state's per-slot shape and dtype, the bytes vLLM allocated per
     slot (the whole page: conv state, recurrent state, padding) and, for a
-    packed pool, this rank's head widths and whether decode batches have run
-    the Triton step (``triton_decode``)."""
+    packed pool, this rank's head widths and how many decode batches ran the
+    Triton step from Python (``triton_calls``: a CUDA graph replay runs it
+    without Python, so with graphs this counts warm-ups and captures)."""
     out = []
     for module in model.modules():
         if hasattr(module, "_kvq_native_dtypes") and getattr(module, "kv_cache", None):
@@ -365,5 +374,5 @@ def allocated_state_bytes(model) -> list[dict]:
             out.append({"layer": module.layer_idx, "shape": list(ssm.shape[1:]), "dtype": str(ssm.dtype),
                         "page_bytes": conv.stride(0) * conv.element_size(),
                         "bits": list(pool.layout.bits) if pool else None,
-                        "triton_decode": bool(pool and pool.step_plan)})
+                        "triton_calls": pool.triton_calls if pool else 0})
     return out

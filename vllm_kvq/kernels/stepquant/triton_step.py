@@ -476,6 +476,13 @@ class _Group:
     cols: torch.Tensor
 
 
+def shape_error(k: int, v: int) -> str | None:
+    """Why the step cannot take heads of K x V, or None."""
+    if k & (k - 1) or v & (v - 1) or min(k, v) < INT2_GROUP:
+        return f"the Triton step needs power-of-two K and V >= {INT2_GROUP}, got K={k} V={v}"
+    return None
+
+
 class StepPlan:
     """Device-side head tables of one layer's layout and its fit (``stepquant``
     or ``rowwise``, as in :func:`reference.fit_heads`), built once (not per step)."""
@@ -483,8 +490,8 @@ class StepPlan:
     def __init__(self, layout: StateLayout, impact: torch.Tensor, device: torch.device | str,
                  fit: str = "stepquant"):
         k, v = layout.k_dim, layout.v_dim
-        if k & (k - 1) or v & (v - 1) or min(k, v) < INT2_GROUP:
-            raise ValueError(f"the Triton step needs power-of-two K and V >= {INT2_GROUP}, got K={k} V={v}")
+        if shape_error(k, v):
+            raise ValueError(shape_error(k, v))
         if fit not in FITS:
             raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
         if fit == "rowwise" and 2 in layout.bits:
@@ -599,4 +606,4 @@ def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None
     return out, new
 
 
-__all__ = ["StepPlan", "step_", "step", "LAUNCH", "PIVOT", "FITS"]
+__all__ = ["StepPlan", "shape_error", "step_", "step", "LAUNCH", "PIVOT", "FITS"]
