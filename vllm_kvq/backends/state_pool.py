@@ -163,8 +163,8 @@ def encode_states(states: torch.Tensor, pool: LayerPool) -> torch.Tensor:
     return codec.encode(states.float(), pool.layout, pool.impact.to(states.device), pool.fit)
 
 
-def decode_states(records: torch.Tensor, pool: LayerPool) -> torch.Tensor:
-    return codec.decode(records, pool.layout)
+def decode_states(records: torch.Tensor, pool: LayerPool, out: torch.Tensor | None = None) -> torch.Tensor:
+    return codec.decode(records, pool.layout, out)
 
 
 class _StagedLayer:
@@ -196,14 +196,22 @@ def _stage(layer, md, pool: LayerPool):
     conv, records = layer.kv_cache
     k, v = pool.layout.k_dim, pool.layout.v_dim
     heads = len(pool.layout.bits)
-    states = torch.zeros(n + 1, heads, k, v, dtype=pool.native_dtype, device=records.device)
+    states = torch.empty(n + 1, heads, k, v, dtype=pool.native_dtype, device=records.device)
     live = slots > 0  # slot 0 is vLLM's null block (padding)
     fresh = torch.zeros_like(live)
     if md.num_prefills:
         fresh[md.num_decodes:] = ~md.has_initial_state[md.num_decodes:n].to(torch.bool)
     read = live & ~fresh
-    if bool(read.any()):
-        states[1:][read] = decode_states(records[slots[read]], pool).to(pool.native_dtype)
+    # On CPU (where asking costs no device sync) whole batches skip the masked copies
+    cpu = records.device.type == "cpu"
+    all_live = cpu and bool(live.all())
+    if cpu and states.dtype == torch.float32 and bool(read.all()):  # decode batches: straight into the scratch
+        states[0].zero_()
+        decode_states(records[slots], pool, out=states[1:])
+    else:
+        states.zero_()
+        if bool(read.any()):
+            states[1:][read] = decode_states(records[slots[read]], pool).to(pool.native_dtype)
     conv_scratch = torch.zeros((n + 1, *conv.shape[1:]), dtype=conv.dtype, device=conv.device)
     conv_scratch[1:][live] = conv[slots[live]]
     local = torch.arange(1, n + 1, dtype=md.non_spec_state_indices_tensor.dtype, device=slots.device)
@@ -213,16 +221,16 @@ def _stage(layer, md, pool: LayerPool):
     # The CPU kernels view the state bytes as [HV, K, V] (key rows): the
     # scratch is laid out that way and declared as vLLM's [HV, V, K]. The CUDA
     # kernels read [HV, V, K] as it is: the scratch is transposed for them.
-    if records.device.type == "cpu":
+    if cpu:
         scratch = states.view(n + 1, heads, v, k)
     else:
         scratch = states.transpose(-1, -2).contiguous()
     proxy = _StagedLayer(layer, (conv_scratch, scratch))
 
     def finish():
-        new = scratch.view(n + 1, heads, k, v) if records.device.type == "cpu" else scratch.transpose(-1, -2)
+        new = scratch.view(n + 1, heads, k, v) if cpu else scratch.transpose(-1, -2)
         conv[slots[live]] = conv_scratch[1:][live]
-        records[slots[live]] = encode_states(new[1:][live], pool)
+        records[slots[live]] = encode_states(new[1:] if all_live else new[1:][live], pool)
 
     return proxy, dataclasses.replace(md, **changes), finish
 

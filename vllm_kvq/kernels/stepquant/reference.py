@@ -152,17 +152,26 @@ def _request_slices(n: int, bytes_per_request: int, device: torch.device):
     return [slice(lo, min(n, lo + step)) for lo in range(0, n, step)]
 
 
+def _heads(x: torch.Tensor, rq: slice, idx: list[int]) -> torch.Tensor:
+    """``x[rq, idx]``, a view (no copy) when the heads are consecutive and
+    each head is row-major."""
+    if idx == list(range(idx[0], idx[-1] + 1)) and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x[rq, idx[0] : idx[-1] + 1]
+    return x[rq, idx]
+
+
 def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant") -> torch.Tensor:
     """Fit and pack states ``[N, H, K, V]`` into records ``[N, layout.size]``."""
     n, h, k, v = x.shape
     assert (h, k, v) == (len(layout.bits), layout.k_dim, layout.v_dim), (x.shape, layout)
     x = x.float()
-    out = torch.zeros(n, layout.size, dtype=torch.uint8, device=x.device)
+    out = torch.empty(n, layout.size, dtype=torch.uint8, device=x.device)
+    out[:, layout.packed_bytes :] = 0  # heads fill [0, packed_bytes) back to back
     slots = layout.heads
     for bits in sorted(set(layout.bits)):
         idx = [i for i, b in enumerate(layout.bits) if b == bits]
         for rq in _request_slices(n, 4 * len(idx) * k * v, x.device):
-            xs, dst = x[rq, idx], out[rq]
+            xs, dst = _heads(x, rq, idx), out[rq]
             if bits == PIVOT:
                 blob = xs.half()
                 for j, i in enumerate(idx):
@@ -180,11 +189,13 @@ def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str 
     return out
 
 
-def decode(records: torch.Tensor, layout: StateLayout) -> torch.Tensor:
-    """Unpack records ``[N, size]`` into fp32 states ``[N, H, K, V]``."""
+def decode(records: torch.Tensor, layout: StateLayout, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Unpack records ``[N, size]`` into fp32 states ``[N, H, K, V]`` (into
+    ``out`` when given: fp32, row-major heads)."""
     n = records.shape[0]
     k, v = layout.k_dim, layout.v_dim
-    out = torch.empty(n, len(layout.bits), k, v, dtype=torch.float32, device=records.device)
+    if out is None:
+        out = torch.empty(n, len(layout.bits), k, v, dtype=torch.float32, device=records.device)
     for i, s in enumerate(layout.heads):
         raw = records[:, s.codes : s.codes + s.codes_bytes]
         if s.bits == PIVOT:
