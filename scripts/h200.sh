@@ -12,7 +12,8 @@
 #   e2e-graphs  the same job with full CUDA graphs for decodes in both engines (~8 min; not by default);
 #   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (<= 9 min: it stops
 #          starting engines after 520 s; Triton decode vs staged vs FP32 states);
-#   state-e2e  serving with the packed pools against FP32 states at one cache budget,
+#   state-e2e  serving with the packed pools against FP32 states at one cache budget (each pool 260 s:
+#          the first engine on a cold machine compiles vLLM's kernels, ~200 s),
 #          benchmarks/stepquant_vllm_e2e.py (~8 min; not by default);
 #   state-graphs  the pool under full CUDA graphs for decode-only batches against eager, and the
 #          refusal of vLLM's default graph mode, scripts/cuda_state_check.py (~6 min; not by default);
@@ -61,7 +62,7 @@ if [[ $steps == *" state "* ]]; then
 fi
 if [[ $steps == *" state-e2e "* ]]; then
   timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
-    --timeout-s 185 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12; echo "state e2e rc=$?"
+    --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12; echo "state e2e rc=$?"
 fi
 if [[ $steps == *" state-graphs "* ]]; then
   timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
@@ -71,7 +72,7 @@ if [[ $steps == *" state-graphs "* ]]; then
 fi
 if [[ $steps == *" state-e2e-graphs "* ]]; then
   timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
-    --cuda-graphs --timeout-s 185 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12
+    --cuda-graphs --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12
   echo "state e2e graphs rc=$?"
 fi
 if [[ $steps == *" fp8 "* ]]; then
