@@ -16,6 +16,13 @@ The dual-axis fit, per integer head and step (``fit="stepquant"``):
 ``fit="rowwise"`` is the uniform baseline on the same storage: one absmax
 scale per key row (``r_i = max_j |X_ij| / qmax``, ``c = 1``), no impact, no
 refit.
+
+Being the CPU serving path, the code minds its passes over memory: on CPU the
+batch is fitted in slices of requests that stay in cache, temporaries reuse
+one scratch, and same-width consecutive heads are read as views. Each of
+these computes the same floating-point operations on the same values, so the
+records are bit for bit what the plain formulas above give
+(``tests/kernels/test_stepquant_reference.py`` pins the slicing).
 """
 
 from __future__ import annotations
