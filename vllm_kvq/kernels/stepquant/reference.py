@@ -73,7 +73,7 @@ def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "step
     if fit == "rowwise":
         r = fp16_round(x.abs().amax(-1, keepdim=True) / q)
         c = torch.ones(n, h, v, dtype=torch.float32, device=x.device)
-        return quantize_levels(x / r, bits), r, c
+        return _levels_into(x / r, bits), r, c
     if fit != "stepquant":
         raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
     groups = v // INT2_GROUP if bits == 2 else 1
