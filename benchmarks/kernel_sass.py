@@ -33,6 +33,7 @@ from triton.compiler import ASTSource
 
 from vllm_kvq.kernels.oscar import triton_decode, triton_store
 from vllm_kvq.kernels.stepquant import triton_step
+from vllm_kvq.kernels.stepquant.format import StateLayout
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -88,7 +89,7 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     lc = triton_step.LAUNCH
     jobs = []
     for b in bits:
-        rg = 128 * (128 // 32) if b == 2 else 128  # a layer of this width alone
+        rg = triton_step.old_row_floats(StateLayout((b,), 128, 128))  # a layer of this width alone
         jobs.append((f"stepquant rows, {b}-bit", triton_step._rows_kernel, dict(BITS=b, K=128, V=128, RB=lc["rows_block"], FAST=True, ALIGN=4,
                                                     FIT=True, ROWWISE=False, RG=rg), lc["rows_warps"],
                      4 * lc["rows_block"] * 32 // (32 * lc["rows_warps"])))

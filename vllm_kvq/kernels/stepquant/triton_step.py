@@ -476,6 +476,12 @@ class _Group:
     cols: torch.Tensor
 
 
+def old_row_floats(layout: StateLayout) -> int:
+    """Scratch floats per head for the old row factors between the two
+    kernels: K, or K·V/32 when the layer has INT2 heads (one per 32 columns)."""
+    return layout.k_dim * (layout.v_dim // INT2_GROUP) if 2 in layout.bits else layout.k_dim
+
+
 def shape_error(k: int, v: int) -> str | None:
     """Why the step cannot take heads of K x V, or None."""
     if k & (k - 1) or v & (v - 1) or min(k, v) < INT2_GROUP:
@@ -490,16 +496,15 @@ class StepPlan:
     def __init__(self, layout: StateLayout, impact: torch.Tensor, device: torch.device | str,
                  fit: str = "stepquant"):
         k, v = layout.k_dim, layout.v_dim
-        if shape_error(k, v):
-            raise ValueError(shape_error(k, v))
+        if why := shape_error(k, v):
+            raise ValueError(why)
         if fit not in FITS:
             raise ValueError(f"fit must be one of {FITS}, got {fit!r}")
         if fit == "rowwise" and 2 in layout.bits:
             raise ValueError("the rowwise fit has no INT2 form (INT2 keeps one row factor per 32 columns)")
         self.layout = layout
         self.rowwise = fit == "rowwise"
-        # scratch floats per head for the old row factors (INT2 keeps one per 32 columns)
-        self.old_row_floats = k * (v // INT2_GROUP) if 2 in layout.bits else k
+        self.old_row_floats = old_row_floats(layout)
         self.impact = impact.to(device=device, dtype=torch.float32).contiguous()
         slots = layout.heads
 
@@ -606,4 +611,4 @@ def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None
     return out, new
 
 
-__all__ = ["StepPlan", "shape_error", "step_", "step", "LAUNCH", "PIVOT", "FITS"]
+__all__ = ["StepPlan", "old_row_floats", "shape_error", "step_", "step", "LAUNCH", "PIVOT", "FITS"]
