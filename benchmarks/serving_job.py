@@ -27,6 +27,7 @@ import time
 # backends' jobs use with --cuda-graphs.
 GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY"}
 
+
 def run_child(cmd: list[str], env: dict, timeout_s: float | None) -> dict:
     """Run one engine's process; its ``RESULT`` line as a dict, or ``error``
     (the stderr tail) and the last ``PROGRESS`` line when it failed or ran

@@ -166,16 +166,16 @@ def engine(job: dict) -> dict:
         except Exception as e:  # noqa: BLE001 - the refusal is the result
             return {"refused": f"{type(e).__name__}: {e}"[-400:]}
         return {"refused": None}
-    if job.get("graphs"):
-        kw.update(enforce_eager=False, compilation_config=dict(GRAPHS))
+    if job.get("graphs"):  # vLLM drops capture sizes above max_num_seqs: keep the largest, the batch pads to it
+        kw.update(enforce_eager=False, compilation_config=dict(GRAPHS),
+                  max_num_seqs=max(job["batch"], *GRAPHS["cudagraph_capture_sizes"]))
     else:
-        kw.update(enforce_eager=True)
+        kw.update(enforce_eager=True, max_num_seqs=job["batch"])
     fmt = "auto" if (Path(job["model"]) / "model.safetensors").exists() else "dummy"
     llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16",
               attention_backend="TRITON_ATTN", mamba_ssm_cache_dtype="float32",
-              gpu_memory_utilization=job["mem"], max_model_len=job["max_len"],
-              max_num_seqs=max(job["batch"], 24) if job.get("graphs") else job["batch"],  # capture size 24 kept
-              enable_prefix_caching=False, seed=0, **kw)
+              gpu_memory_utilization=job["mem"], max_model_len=job["max_len"], enable_prefix_caching=False, seed=0,
+              **kw)
     g = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, 8000, (job["prompt_len"],), generator=g).tolist())
                for _ in range(job["requests"])]
@@ -188,12 +188,11 @@ def engine(job: dict) -> dict:
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, detokenize=False),
                      use_tqdm=False)
         res["prefill_wall_s"] = time.time() - t
-    calls = lambda: max([x["triton_calls"] for x in llm.apply_model(allocated_state_bytes)[0]], default=0)  # noqa: E731
-    before = calls()
+    calls = lambda layers: max([x["triton_calls"] for x in layers], default=0)  # noqa: E731
+    before = calls(llm.apply_model(allocated_state_bytes)[0])
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.time() - t
-    res["triton_calls_in_job"] = calls() - before  # decode steps that ran the step from Python, not from a graph
     res.update(wall_s=wall, tokens=[list(o.outputs[0].token_ids) for o in outs],
                tok_s=job["requests"] * job["gen"] / wall)
     if "prefill_wall_s" in res and wall > res["prefill_wall_s"]:
@@ -202,6 +201,7 @@ def engine(job: dict) -> dict:
         res["logprobs"] = [[{int(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
                            for o in outs]
     layers = llm.apply_model(allocated_state_bytes)[0]
+    res["triton_calls_in_job"] = calls(layers) - before  # decode steps that ran the step from Python, not a graph
     packed = [x for x in layers if x["bits"] is not None]
     if packed:
         used = {x["triton_calls"] > 0 for x in packed}
