@@ -98,7 +98,10 @@ def test_mixed_record_and_pivots():
     x = _states(2, 5, 128, 128)
     w = _impact(5, 128)
     lay = StateLayout((2, 4, 6, 8, 16), 128, 128)
-    y = ref.decode(ref.encode(x, lay, w), lay)
+    rec = ref.encode(x, lay, w)
+    y = ref.decode(rec, lay)
+    into = torch.full_like(y, float("nan"))
+    assert ref.decode(rec, lay, out=into) is into and torch.equal(into, y)
     rel = [float(((y[:, i] - x[:, i]) ** 2).mean() / (x[:, i] ** 2).mean()) for i in range(5)]
     assert rel[0] < 0.3 and rel[1] < 0.03 and rel[2] < 2e-3 and rel[3] < 2e-4
     assert rel[0] > rel[1] > rel[2] > rel[3] > rel[4]
@@ -147,10 +150,14 @@ def test_in_place_levels_equal_quantize_levels(bits):
 
 @pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
 def test_records_do_not_depend_on_the_cpu_request_slices(monkeypatch, fit):
-    lay = StateLayout((4, 6, 16, 8, 6) if fit == "rowwise" else (2, 4, 6, 16, 8, 6), 32, 64)
+    # consecutive same-width heads (read as views) and scattered ones (gathered)
+    lay = StateLayout((4, 6, 6, 16, 8, 6) if fit == "rowwise" else (2, 2, 4, 6, 6, 16, 8, 6), 32, 64)
     x = _states(11, len(lay.bits), 32, 64, seed=5)
     w = _impact(len(lay.bits), 32)
     whole = ref.encode(x, lay, w, fit)
+    # the same values with column-major heads: every head group is gathered, none read as a view
+    columns = x.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert torch.equal(ref.encode(columns, lay, w, fit), whole)
     monkeypatch.setattr(ref, "CPU_SLICE_BYTES", 3 * 4 * 32 * 64)  # 3 requests of one head: slices of 3, 3, 3, 2
     assert len(ref._request_slices(11, 4 * 32 * 64, x.device)) == 4
     assert torch.equal(ref.encode(x, lay, w, fit), whole)
