@@ -102,7 +102,8 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
 def decode_job() -> tuple:
     lc = triton_decode.LAUNCH
     const = dict(HQ=32, GROUP=4, GP=4, D=128, G=128, KB=128, SINK=64, WINDOW=256, STATE_BLOCKS=18, ROWS=18,
-                 NUM_BF16=-(-320 // lc["tile"]), BLOCK_N=lc["tile"], ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"])
+                 NUM_BF16=-(-320 // lc["bf16_rows"]), BLOCK_N=lc["bf16_rows"], ASM=True, NSTAGE=lc["num_stages"],
+                 TILE=lc["tile"])
     # a loop trip is one TILE-token slice: its K and V codes per thread
     return ("oscar decode (Qwen3-4B shape)", triton_decode._decode_kernel, const, lc["num_warps"],
             2 * lc["tile"] * 128 // (32 * lc["num_warps"]))

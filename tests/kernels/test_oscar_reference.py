@@ -33,6 +33,19 @@ def test_pack_is_quartered():
     assert torch.equal(ref.unpack_codes(ref.pack_codes(rnd)), rnd)
 
 
+def test_page_views_put_codes_at_their_format_offsets():
+    """K codes token-major, V codes byte-major: byte b of token t at K's
+    ``t * D/4 + b`` and V's ``v_codes_offset + b * KB + t`` (format.py)."""
+    fmt = OscarFormat(head_size=16, group_size=16, block_size=8, sink=0, window=0)
+    cache = torch.zeros(2, 3, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8)
+    pages = ref.PageViews(cache, fmt)
+    pages.k_codes[1, 2, 5, 3] = 7
+    pages.v_codes[1, 2, 5, 3] = 9
+    flat = cache[1, 2].flatten()
+    assert flat.nonzero().flatten().tolist() == [5 * 4 + 3, fmt.v_codes_offset + 3 * 8 + 5]
+    assert flat[5 * 4 + 3] == 7 and flat[fmt.v_codes_offset + 3 * 8 + 5] == 9
+
+
 def test_quantize_error_bound_and_levels():
     torch.manual_seed(0)
     x = torch.randn(64, 128) * 3

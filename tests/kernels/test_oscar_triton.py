@@ -30,12 +30,14 @@ if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
 # decode also takes a group that is not a power of two and a sink + window
 # over several BF16 tiles
 DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24)]
-# decode launches: the default, and on a GPU other step sizes, stage counts and warps
+# decode launches: the default, and on a GPU other step sizes, stage counts, warps and
+# BF16 rows per program
 DECODE_LAUNCHES = [None]
 if DEV == "cuda":
     DECODE_LAUNCHES += [{"num_warps": 2, "num_stages": 5, "tile": 64}, {"num_warps": 1, "num_stages": 3, "tile": 64},
                         {"num_warps": 1, "num_stages": 5, "tile": 32}, {"num_warps": 1, "num_stages": 2, "tile": 16},
-                        {"num_warps": 4, "num_stages": 5, "tile": 128}]
+                        {"num_warps": 4, "num_stages": 5, "tile": 128}, {"num_warps": 1, "num_stages": 8, "bf16_rows": 16},
+                        {"num_warps": 1, "num_stages": 4, "tile": 128, "bf16_rows": 64}]
 
 
 def _fmt(s):

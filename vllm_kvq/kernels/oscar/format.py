@@ -11,8 +11,8 @@ vLLM hands the backend one uint8 tensor per layer, ``[num_blocks, H, KB, C]``
 Data block region (per KV head), with D = head size, G = group size::
 
     offset                     size            content
-    0                          KB * D/4        K codes   [KB, D/4] uint8
-    KB * D/4                   KB * D/4        V codes   [KB, D/4] uint8
+    0                          KB * D/4        K codes   [KB, D/4] uint8 (token-major)
+    KB * D/4                   KB * D/4        V codes   [D/4, KB] uint8 (byte-major)
     KB * D/2                   KB * 4D/G       K (scale, min) [KB, D/G, 2] fp16
     KB * D/2 + KB * 4D/G       KB * 4D/G       V (scale, min) [KB, D/G, 2] fp16
                                -----------
@@ -22,6 +22,14 @@ Codes are packed four to a byte, "quartered": byte ``b`` of a row holds the
 codes of elements ``b``, ``b + D/4``, ``b + D/2``, ``b + 3D/4`` in bits 0-1, 2-3,
 4-5, 6-7. A kernel unpacks a row with four shifts into four contiguous quarters.
 The dequantized value is ``code * scale + min`` (asymmetric min-max, 4 levels).
+
+K codes are stored token by token, V codes byte by byte: V's region holds
+byte 0 of the block's KB tokens, then byte 1 of them, and so on (byte ``b`` of
+token ``t`` at ``b * KB + t``). Decode multiplies keys by the query along the
+head dimension but sums values over tokens, and the tensor cores take both
+products' operands in pairs along the summed axis: a 32-bit load then holds
+four consecutive head elements of a key and four consecutive tokens of a
+value byte, each ready to unpack in registers.
 
 State block region (per KV head): ``rows = (KB * C) // (4D)`` slots of one BF16
 K row and one BF16 V row each (``[rows, 2, D]`` bf16, the tail unused). The R

@@ -94,7 +94,8 @@ class PageViews:
             return flat[:, :, offset : offset + kb * size]
 
         self.k_codes = region(fmt.k_codes_offset, cb).unflatten(-1, (kb, cb))
-        self.v_codes = region(fmt.v_codes_offset, cb).unflatten(-1, (kb, cb))
+        # V codes are byte-major [cb, kb] in the page (format.py); seen as [kb, cb]
+        self.v_codes = region(fmt.v_codes_offset, cb).unflatten(-1, (cb, kb)).transpose(-1, -2)
         self.k_scale = (
             region(fmt.k_scale_offset, sb).view(torch.float16).unflatten(-1, (kb, fmt.groups, 2))
         )

@@ -29,7 +29,17 @@ import triton.language as tl
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
 LOG2E = 1.4426950408889634
-LAUNCH = {"num_warps": 1, "num_stages": 6, "tile": 64}  # the best of the H200 sweep (benchmarks/results/oscar_kernels.json)
+# The best of the H200 sweep (benchmarks/results/oscar_kernels.json): 128-token steps
+# while a KV head's query heads fit one 8-wide MMA tile, 64-token steps for wider
+# groups (registers). bf16_rows: state rows per BF16 program (more would set the whole
+# kernel's register count).
+LAUNCH = {"num_warps": 1, "num_stages": 6, "tile": 128, "bf16_rows": 32}
+WIDE_GROUP_LAUNCH = {**LAUNCH, "tile": 64}
+
+
+def default_launch(group: int) -> dict:
+    """The launch for ``group`` query heads per KV head."""
+    return LAUNCH if group <= 8 else WIDE_GROUP_LAUNCH
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -115,33 +125,37 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
                 TILE: tl.constexpr):
     """One slice of whole pages of the INT2 range ``[S0, L - W)``.
 
-    A step is TILE tokens of one page: its codes and scales are contiguous.
-    Quarter j of the head dim enters the tensor cores as fp16 ``c'_j = 1024 +
-    4^j code`` (:func:`_quarter`); with ``q'_j = q_j / 4^j`` and per-row
-    (s, m): ``q.k = s (sum_j q'_j.c'_j - 1024 sum q') + m sum q``. Values:
-    ``a_j += sum_t (p s)_t c'_j + 4^j sum_t p_t m_t - 1024 sum_t (p s)_t`` per
-    step, and ``o_j = a_j / 4^j`` at the end.
+    A step is TILE tokens of one page; its codes and scales are contiguous.
+    Both products put the tokens on the tensor cores' M/K side and the few
+    query heads of the KV head on N (padded to 8, not to 16 as a query-major
+    product would be): scores ``S^T = K Q^T [TILE, GP]`` and outputs ``O^T =
+    V^T P^T [D/4, GP]`` per quarter. Quarter j of the head dim enters as fp16
+    ``c'_j = 1024 + 4^j code`` (:func:`_quarter`); with ``q'_j = q_j / 4^j`` and
+    per-row (s, m): ``q.k = s (sum_j q'_j.c'_j - 1024 sum q') + m sum q``.
+    Values: ``a_j += sum_t c'_j (p s)_t + 4^j sum_t p_t m_t - 1024 sum_t (p s)_t``
+    per step, and ``o_j = a_j / 4^j`` at the end.
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     d4 = tl.arange(0, D4)
     SUB: tl.constexpr = KB // TILE
     t = tl.arange(0, TILE)
-    code_off = t[:, None] * D4 + d4[None, :]
-    qp = q_base[:, None] + d4[None, :]
-    q0 = (tl.load(qp, mask=qmask[:, None], other=0.0).to(tl.float32) * q_scale).to(tl.float16)
-    q1 = (tl.load(qp + D4, mask=qmask[:, None], other=0.0).to(tl.float32) * (q_scale * 0.25)).to(tl.float16)
-    q2 = (tl.load(qp + 2 * D4, mask=qmask[:, None], other=0.0).to(tl.float32) * (q_scale * 0.0625)).to(tl.float16)
-    q3 = (tl.load(qp + 3 * D4, mask=qmask[:, None], other=0.0).to(tl.float32) * (q_scale * 0.015625)).to(tl.float16)
-    # sum q (as the tensor cores see q) and the 1024 bias, per group
+    code_off = t[:, None] * D4 + d4[None, :]          # K: [TILE, D4], token-major
+    vcode_off = d4[:, None] * KB + t[None, :]         # V: [D4, TILE], byte-major in the page
+    qp = q_base[None, :] + d4[:, None]                # [D4, GP]
+    qm = qmask[None, :]
+    q0 = (tl.load(qp, mask=qm, other=0.0).to(tl.float32) * q_scale).to(tl.float16)
+    q1 = (tl.load(qp + D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.25)).to(tl.float16)
+    q2 = (tl.load(qp + 2 * D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.0625)).to(tl.float16)
+    q3 = (tl.load(qp + 3 * D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.015625)).to(tl.float16)
     f0 = q0.to(tl.float32)
     f1 = q1.to(tl.float32)
     f2 = q2.to(tl.float32)
     f3 = q3.to(tl.float32)
-    qs_a = tl.sum(f0, axis=1) + 4.0 * tl.sum(f1, axis=1)
-    qs_b = 16.0 * tl.sum(f2, axis=1) + 64.0 * tl.sum(f3, axis=1)
-    qb_a = 1024.0 * (tl.sum(f0, axis=1) + tl.sum(f1, axis=1))
-    qb_b = 1024.0 * (tl.sum(f2, axis=1) + tl.sum(f3, axis=1))
+    qs_a = tl.sum(f0, axis=0) + 4.0 * tl.sum(f1, axis=0)
+    qs_b = 16.0 * tl.sum(f2, axis=0) + 64.0 * tl.sum(f3, axis=0)
+    qb_a = 1024.0 * (tl.sum(f0, axis=0) + tl.sum(f1, axis=0))
+    qb_b = 1024.0 * (tl.sum(f2, axis=0) + tl.sum(f3, axis=0))
     if NG == 1:
         qs_a = qs_a + qs_b
         qb_a = qb_a + qb_b
@@ -156,31 +170,19 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    # the key dots start from -1024 sum q' (the bias of c' = 1024 + 4^j c)
-    neg_qb_a = tl.zeros([GP, TILE], tl.float32) - qb_a[:, None]
-    neg_qb_b = tl.zeros([GP, TILE], tl.float32) - qb_b[:, None]
-    a0 = tl.zeros([GP, D4], tl.float32)
-    a1 = tl.zeros([GP, D4], tl.float32)
-    a2 = tl.zeros([GP, D4], tl.float32)
-    a3 = tl.zeros([GP, D4], tl.float32)
-    # codes are software-pipelined by Triton (they feed the dots): their
-    # address comes from the loop index alone (one block-table read a step),
-    # so the pipeliner can keep several steps in flight; the scales feed
-    # registers, so they are fetched one step ahead by hand
-    # a step is TILE tokens of one page (SUB steps a page)
+    neg_qb_a = tl.zeros([TILE, GP], tl.float32) - qb_a[None, :]
+    neg_qb_b = tl.zeros([TILE, GP], tl.float32) - qb_b[None, :]
+    a0 = tl.zeros([D4, GP], tl.float32)
+    a1 = tl.zeros([D4, GP], tl.float32)
+    a2 = tl.zeros([D4, GP], tl.float32)
+    a3 = tl.zeros([D4, GP], tl.float32)
     step_lo = page_lo * SUB
     step_hi = page_hi * SUB
-    base_next = _page_base(row, page_lo, step_lo < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
-    ksm_next, vsm_next = _load_scales(cache_f16, base_next, t, D, NG, KB)
     for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
-        base = _page_base(row, step // SUB, True, H, h, D, NG, KB, STATE_BLOCKS) + (step % SUB) * (TILE * D4)
-        ksm = ksm_next
-        vsm = vsm_next
-        nxt = step + 1
-        base_next = _page_base(row, nxt // SUB, nxt < step_hi, H, h, D, NG, KB, STATE_BLOCKS)
-        ksm_next, vsm_next = _load_scales(cache_f16, base_next, (nxt % SUB) * TILE + t, D, NG, KB)
-        kc = tl.load(cache_u8 + base + code_off)
-        vc = tl.load(cache_u8 + base + KB * D4 + code_off)
+        pbase = _page_base(row, step // SUB, True, H, h, D, NG, KB, STATE_BLOCKS)
+        ksm, vsm = _load_scales(cache_f16, pbase, (step % SUB) * TILE + t, D, NG, KB)
+        kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off)
+        vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off)
         pos = step * TILE + t
         ok = (pos >= lo) & (pos < hi)
         ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
@@ -194,29 +196,31 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             k2 = _quarter(kq, 2)
             k3 = _quarter(kq, 3)
         if NG == 1:
-            acc = tl.dot(q0, tl.trans(k0), neg_qb_a)
-            acc = tl.dot(q1, tl.trans(k1), acc)
-            acc = tl.dot(q2, tl.trans(k2), acc)
-            acc = tl.dot(q3, tl.trans(k3), acc)
-            s = ks_a[None, :] * acc + km_a[None, :] * qs_a[:, None]
+            acc = tl.dot(k0, q0, neg_qb_a)
+            acc = tl.dot(k1, q1, acc)
+            acc = tl.dot(k2, q2, acc)
+            acc = tl.dot(k3, q3, acc)
+            s = ks_a[:, None] * acc + km_a[:, None] * qs_a[None, :]
         else:
-            acc_a = tl.dot(q0, tl.trans(k0), neg_qb_a)
-            acc_a = tl.dot(q1, tl.trans(k1), acc_a)
-            acc_b = tl.dot(q2, tl.trans(k2), neg_qb_b)
-            acc_b = tl.dot(q3, tl.trans(k3), acc_b)
-            s = (ks_a[None, :] * acc_a + km_a[None, :] * qs_a[:, None]
-                 + ks_b[None, :] * acc_b + km_b[None, :] * qs_b[:, None])
-        s = tl.where(ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+            acc_a = tl.dot(k0, q0, neg_qb_a)
+            acc_a = tl.dot(k1, q1, acc_a)
+            acc_b = tl.dot(k2, q2, neg_qb_b)
+            acc_b = tl.dot(k3, q3, acc_b)
+            s = (ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
+                 + ks_b[:, None] * acc_b + km_b[:, None] * qs_b[None, :])
+        s = tl.where(ok[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
 
-        # rows past the range may hold stale bytes: keep them out of p * s
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)
-        pa = (p * vs_a[None, :]).to(tl.float16)
-        # this step's bias (1024 sum p s) and min (sum p m) enter each quarter's
-        # accumulator before its dot, so the 1024s cancel inside one step
-        bias_a = 1024.0 * tl.sum(pa.to(tl.float32), axis=1)
-        min_a = tl.sum(p * vm_a[None, :], axis=1)
+        pa = (p * vs_a[:, None]).to(tl.float16)
+        bias_a = 1024.0 * tl.sum(pa.to(tl.float32), axis=0)
+        min_a = tl.sum(p * vm_a[:, None], axis=0)
         if NG == 1:
             pb = pa
             bias_b = bias_a
@@ -224,9 +228,9 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         else:
             vs_b = tl.where(ok, vs_b, 0.0)
             vm_b = tl.where(ok, vm_b, 0.0)
-            pb = (p * vs_b[None, :]).to(tl.float16)
-            bias_b = 1024.0 * tl.sum(pb.to(tl.float32), axis=1)
-            min_b = tl.sum(p * vm_b[None, :], axis=1)
+            pb = (p * vs_b[:, None]).to(tl.float16)
+            bias_b = 1024.0 * tl.sum(pb.to(tl.float32), axis=0)
+            min_b = tl.sum(p * vm_b[:, None], axis=0)
         if ASM:
             v0, v1, v2, v3 = _quarters_asm(vc)
         else:
@@ -235,17 +239,17 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             v1 = _quarter(vq, 1)
             v2 = _quarter(vq, 2)
             v3 = _quarter(vq, 3)
-        a0 = tl.dot(pa, v0, a0 * alpha[:, None] + (min_a - bias_a)[:, None])
-        a1 = tl.dot(pa, v1, a1 * alpha[:, None] + (4.0 * min_a - bias_a)[:, None])
-        a2 = tl.dot(pb, v2, a2 * alpha[:, None] + (16.0 * min_b - bias_b)[:, None])
-        a3 = tl.dot(pb, v3, a3 * alpha[:, None] + (64.0 * min_b - bias_b)[:, None])
+        a0 = tl.dot(v0, pa, a0 * alpha[None, :] + (min_a - bias_a)[None, :])
+        a1 = tl.dot(v1, pa, a1 * alpha[None, :] + (4.0 * min_a - bias_a)[None, :])
+        a2 = tl.dot(v2, pb, a2 * alpha[None, :] + (16.0 * min_b - bias_b)[None, :])
+        a3 = tl.dot(v3, pb, a3 * alpha[None, :] + (64.0 * min_b - bias_b)[None, :])
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    op = o_base[:, None] + d4[None, :]
-    tl.store(op, a0 * inv[:, None], mask=qmask[:, None])
-    tl.store(op + D4, a1 * (0.25 * inv)[:, None], mask=qmask[:, None])
-    tl.store(op + 2 * D4, a2 * (0.0625 * inv)[:, None], mask=qmask[:, None])
-    tl.store(op + 3 * D4, a3 * (0.015625 * inv)[:, None], mask=qmask[:, None])
+    op = o_base[None, :] + d4[:, None]
+    tl.store(op, a0 * inv[None, :], mask=qm)
+    tl.store(op + D4, a1 * (0.25 * inv)[None, :], mask=qm)
+    tl.store(op + 2 * D4, a2 * (0.0625 * inv)[None, :], mask=qm)
+    tl.store(op + 3 * D4, a3 * (0.015625 * inv)[None, :], mask=qm)
     tl.store(lse_ptr, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=qmask)
 
 
@@ -357,7 +361,8 @@ def decode_attention(
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (rotated; position ``seq_lens - 1``, its
     own K/V already stored) over each request's cache, into ``out [B, Hq, D]``.
-    ``launch``: Triton launch options (num_warps, num_stages), default LAUNCH."""
+    ``launch``: Triton launch options over :func:`default_launch` (num_warps,
+    num_stages, tile, bf16_rows)."""
     b, hq, d = q.shape
     h = kv_cache.shape[1]
     group = hq // h
@@ -369,9 +374,9 @@ def decode_attention(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    lc = launch or LAUNCH
+    lc = {**default_launch(group), **(launch or {})}
     tile = min(lc["tile"], fmt.block_size)
-    n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), tile)
+    n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), lc["bf16_rows"])
     parts = splits + n_bf16
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hq, parts, dtype=torch.float32, device=q.device)
@@ -381,7 +386,7 @@ def decode_attention(
         scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        NUM_BF16=n_bf16, BLOCK_N=tile, ASM=_compiled(q), NSTAGE=lc["num_stages"],
+        NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=_compiled(q), NSTAGE=lc["num_stages"],
         TILE=tile, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)

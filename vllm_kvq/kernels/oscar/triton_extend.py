@@ -24,6 +24,8 @@ from the chunk's own (rotated) keys and values.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -37,19 +39,28 @@ LAUNCH = {"rows": 64, "block_n": 64, "num_warps": 4}  # rows: query rows (tokens
 
 
 @triton.jit
-def _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, SHIFT_V: tl.constexpr, D: tl.constexpr,
-               G: tl.constexpr, KB: tl.constexpr, STATE_BLOCKS: tl.constexpr):
-    """Dequantized K (SHIFT_V=0) or V (1) rows of ``pos``, as four fp16 quarters."""
+def _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, SHIFT_V: tl.constexpr, D: tl.constexpr,
+               G: tl.constexpr, KB: tl.constexpr, STATE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantized K (SHIFT_V=0) or V (1) rows of positions ``n0 ..
+    n0 + BLOCK_N``, as four fp16 quarters; rows not ``ok`` are zeros.
+
+    The rows lie in one page (BLOCK_N divides KB, n0 is a multiple of it), so
+    codes are read as contiguous runs: K's rows along the head dim, V's
+    byte-major rows along the tokens. The page holds ``n0``, which the
+    request owns, so codes are read unmasked; the masked scales zero the rest.
+    """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
     GB: tl.constexpr = NG - 1
     d4 = tl.arange(0, D4)
-    blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=ok, other=0).to(tl.int64)
-    off = pos % KB
+    blk = tl.load(row + STATE_BLOCKS + n0 // KB).to(tl.int64)
     base = (blk * H + h) * BLOCK_BYTES
-    c = tl.load(cache_u8 + base[:, None] + SHIFT_V * KB * D4 + off[:, None] * D4 + d4[None, :],
-                mask=ok[:, None], other=0).to(tl.int32)
+    off = n0 % KB + tl.arange(0, BLOCK_N)
+    if SHIFT_V:  # V codes are byte-major (format.py): [D/4, BLOCK_N], then transposed
+        c = tl.trans(tl.load(cache_u8 + base + KB * D4 + d4[:, None] * KB + off[None, :])).to(tl.int32)
+    else:
+        c = tl.load(cache_u8 + base + off[:, None] * D4 + d4[None, :]).to(tl.int32)
     sm = (base + KB * (D // 2) + SHIFT_V * KB * 4 * NG) // 2 + off * (2 * NG)
     sa = tl.load(cache_f16 + sm, mask=ok, other=0.0).to(tl.float32)[:, None]
     ma = tl.load(cache_f16 + sm + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
@@ -159,15 +170,16 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
 
     # 2. keys at least W behind every query of the tile: INT2
+    # (tiles start on multiples of BLOCK_N, so each lies in one page)
     int2_end = tl.maximum(t_min - WINDOW + 1, SINK)
-    for n0 in range(SINK, int2_end, BLOCK_N):
+    for n0 in range(SINK // BLOCK_N * BLOCK_N, int2_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        ok = pos < int2_end
-        k0, k1, k2, k3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS)
+        ok = (pos >= SINK) & (pos < int2_end)
+        k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
-        v0, v1, v2, v3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS)
+        v0, v1, v2, v3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS, BLOCK_N)
         pf = p.to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
         a1 = a1 * alpha[:, None] + tl.dot(pf, v1)
@@ -175,12 +187,12 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
 
     # 3. the rest, up to the last query: BF16 inside each query's window, INT2 beyond
-    for n0 in range(int2_end, t_max + 1, BLOCK_N):
+    for n0 in range(int2_end // BLOCK_N * BLOCK_N, t_max + 1, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        ok = pos <= t_max
+        ok = (pos >= int2_end) & (pos <= t_max)
         # ring rows older than ctx - W now hold newer positions; no query here reads them in BF16
         has_bf16 = ok & ((pos >= ctx) | (pos >= ctx - WINDOW))
-        k0, k1, k2, k3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS)
+        k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
         s_lo = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         k0, k1, k2, k3 = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh,
                                     H, h, 0, D, G, KB, SINK, RING, ROWS)
@@ -191,7 +203,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
         p_hi = tl.where(use_hi, p, 0.0).to(tl.float16)
         p_lo = tl.where(use_hi, 0.0, p).to(tl.float16)
-        v0, v1, v2, v3 = _int2_rows(pos, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS)
+        v0, v1, v2, v3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS, BLOCK_N)
         a0 = a0 * alpha[:, None] + tl.dot(p_lo, v0)
         a1 = a1 * alpha[:, None] + tl.dot(p_lo, v1)
         a2 = a2 * alpha[:, None] + tl.dot(p_lo, v2)
@@ -252,6 +264,6 @@ def extend_attention(
         out, out.stride(0), out.stride(1),
         h, GROUP=group, HEADS=heads, D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink,
         WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        BLOCK_M=BLOCK_M, BLOCK_N=lc["block_n"], num_warps=lc["num_warps"],
+        BLOCK_M=BLOCK_M, BLOCK_N=math.gcd(lc["block_n"], fmt.block_size), num_warps=lc["num_warps"],
     )
     return out

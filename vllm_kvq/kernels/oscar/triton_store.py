@@ -68,11 +68,12 @@ def _clip_pair(k, v, k_above, v_above):
 
 @triton.jit
 def _quantize_store(x, codes_ptr, sm_ptr, tok_ok, BLOCK_T: tl.constexpr, D: tl.constexpr,
-                    G: tl.constexpr):
+                    G: tl.constexpr, CODE_STRIDE: tl.constexpr):
     """INT2 codes (quartered, 4 per byte) and fp16 (scale, min) of rows ``x``.
 
-    ``codes_ptr [T]`` points at each row's first code byte, ``sm_ptr [T]`` at its
-    first fp16 (scale, min) pair.
+    ``codes_ptr [T]`` points at each row's first code byte, whose later bytes
+    lie CODE_STRIDE apart (1 for K, KB for V's byte-major codes); ``sm_ptr [T]``
+    at its first fp16 (scale, min) pair.
     """
     NG: tl.constexpr = D // G
     D4: tl.constexpr = D // 4
@@ -86,7 +87,7 @@ def _quantize_store(x, codes_ptr, sm_ptr, tok_ok, BLOCK_T: tl.constexpr, D: tl.c
     codes = tl.reshape(codes, (BLOCK_T, 4, D4))
     shifts = (tl.arange(0, 4) * 2)[None, :, None]
     packed = tl.sum(codes << shifts, axis=1).to(tl.uint8)
-    tl.store(codes_ptr[:, None] + tl.arange(0, D4)[None, :], packed, mask=tok_ok[:, None])
+    tl.store(codes_ptr[:, None] + tl.arange(0, D4)[None, :] * CODE_STRIDE, packed, mask=tok_ok[:, None])
     grp = tl.arange(0, NG)
     tl.store(sm_ptr[:, None] + 2 * grp[None, :], scale, mask=tok_ok[:, None])
     tl.store(sm_ptr[:, None] + 2 * grp[None, :] + 1, lo16, mask=tok_ok[:, None])
@@ -153,10 +154,10 @@ def _store_kernel(
         base = (blk * H + h) * BLOCK_BYTES
         kq, vq = _clip_pair(k_bf.to(tl.float32), v_bf.to(tl.float32), k_clip_above, v_clip_above)
         _quantize_store(kq, cache_u8 + base + off * D4,
-                        cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, live, BLOCK_T, D, G)
-        _quantize_store(vq, cache_u8 + base + KB * D4 + off * D4,
+                        cache_f16 + (base + KB * (D // 2) + off * 4 * NG) // 2, live, BLOCK_T, D, G, 1)
+        _quantize_store(vq, cache_u8 + base + KB * D4 + off,
                         cache_f16 + (base + KB * (D // 2) + KB * 4 * NG + off * 4 * NG) // 2,
-                        live, BLOCK_T, D, G)
+                        live, BLOCK_T, D, G, KB)
 
     if STATE:  # BF16 rows of the sink and of the last W positions of this chunk
         keep = live & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
