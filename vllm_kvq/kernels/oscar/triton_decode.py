@@ -5,9 +5,10 @@ Twin of :func:`reference.mixed_attention` for a single query at position
 ``L - 1`` of a request of length ``L``: keys ``[S0, L - W)`` are read INT2,
 the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the state blocks.
 
-Grid ``(B, H, splits + bf16 tiles)``: programs ``0 .. splits-1`` of a
-(request, KV head) stream equal slices of its INT2 range; the last one reads
-its ``min(L, S0 + W)`` BF16 state rows. Every program serves all query heads
+Grid ``(B, H, splits + bf16 programs)``: programs ``0 .. splits-1`` of a
+(request, KV head) stream equal slices of its INT2 range; the others each
+read ``bf16_rows`` of its ``min(L, S0 + W)`` BF16 state rows. Every program
+serves all query heads
 of its KV head (GQA: each page byte is read once). INT2 codes are never
 expanded to values in memory: with ``k = code * s + m`` per row and group,
 ``q.k = s (q.code) + m sum(q)``, so the dot products run on the raw codes and
@@ -84,12 +85,11 @@ def _quarters_asm(codes):
 
 
 @triton.jit
-def _page_base(row, page, live, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+def _page_base(row, page, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
                STATE_BLOCKS: tl.constexpr):
-    """Byte offset of one page's (block, KV head) region; a dead page reads
-    block 0, so a look-ahead past the range never faults."""
+    """Byte offset of one page's (block, KV head) region."""
     BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
-    blk = tl.load(row + STATE_BLOCKS + page, mask=live, other=0).to(tl.int64)
+    blk = tl.load(row + STATE_BLOCKS + page).to(tl.int64)
     return (blk * H + h) * BLOCK_BYTES
 
 
@@ -179,7 +179,9 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     step_lo = page_lo * SUB
     step_hi = page_hi * SUB
     for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
-        pbase = _page_base(row, step // SUB, True, H, h, D, NG, KB, STATE_BLOCKS)
+        # a step's addresses come from the loop index alone, so Triton keeps
+        # several steps' code and scale copies in flight (num_stages)
+        pbase = _page_base(row, step // SUB, H, h, D, NG, KB, STATE_BLOCKS)
         ksm, vsm = _load_scales(cache_f16, pbase, (step % SUB) * TILE + t, D, NG, KB)
         kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off)
         vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off)
