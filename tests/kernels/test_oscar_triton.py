@@ -27,9 +27,10 @@ REAL = dict(d=128, hkv=8, group=4, g=128, kb=128, sink=64, window=256)
 SHAPES = [SMALL, dict(SMALL, g=64)]
 if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
     SHAPES += [REAL, dict(REAL, g=64)]
-# decode also takes a group that is not a power of two and a sink + window
-# over several BF16 tiles
-DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24)]
+# decode also takes a group that is not a power of two, a sink + window over
+# several BF16 programs, a group wider than 8 (N = 16, 64-token steps) and a
+# block that is not a power of two (steps of the largest power of two dividing it)
+DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24), dict(SMALL, group=12), dict(SMALL, kb=48)]
 # decode launches: the default, and on a GPU other step sizes, stage counts, warps and
 # BF16 rows per program
 DECODE_LAUNCHES = [None]
@@ -300,3 +301,9 @@ def test_extend_head_blocks(launch):
     """Six query heads per KV head: two programs of four heads each (the second
     half masked), or six of one head."""
     test_extend_matches_reference(dict(SMALL, group=6), launch)
+
+
+def test_extend_block_not_a_power_of_two():
+    """Blocks of 48 tokens: INT2 key tiles of 16 (the largest power of two
+    dividing the block), each inside one page."""
+    test_extend_matches_reference(dict(SMALL, kb=48))

@@ -377,7 +377,7 @@ def decode_attention(
     if q.stride(2) != 1:
         q = q.contiguous()
     lc = {**default_launch(group), **(launch or {})}
-    tile = min(lc["tile"], fmt.block_size)
+    tile = math.gcd(lc["tile"], fmt.block_size)  # a power of two that divides the block
     n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), lc["bf16_rows"])
     parts = splits + n_bf16
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=q.device)
