@@ -49,14 +49,15 @@ def _compiled(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def softmax_step(s, m_i, l_i):
-    """Online-softmax update over one tile of base-2 scores ``s``; returns
-    (p, alpha, m, l). Rows with no live key so far stay at zero."""
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+def softmax_step(s, m_i, l_i, KEYS: tl.constexpr):
+    """Online-softmax update over one tile of base-2 scores ``s`` whose keys
+    run along axis KEYS; returns (p, alpha, m, l). Queries with no live key
+    so far stay at zero."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=KEYS))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+    p = tl.exp2(s - tl.expand_dims(m_safe, KEYS))
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=KEYS)
 
 
 @triton.jit
@@ -211,12 +212,7 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             s = (ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
                  + ks_b[:, None] * acc_b + km_b[:, None] * qs_b[None, :])
         s = tl.where(ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 0)
 
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)

@@ -160,7 +160,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
         v0, v1, v2, v3 = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h,
                                     1, D, G, KB, SINK, RING, ROWS)
         pf = p.to(tl.float16)
@@ -178,7 +178,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
         v0, v1, v2, v3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS, BLOCK_N)
         pf = p.to(tl.float16)
         a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
@@ -200,7 +200,7 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         use_hi = (tpos[:, None] - pos[None, :]) < WINDOW
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, tl.where(use_hi, s_hi, s_lo), float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
         p_hi = tl.where(use_hi, p, 0.0).to(tl.float16)
         p_lo = tl.where(use_hi, 0.0, p).to(tl.float16)
         v0, v1, v2, v3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS, BLOCK_N)
