@@ -100,7 +100,7 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
 
 
 def decode_job() -> tuple:
-    lc = triton_decode.LAUNCH
+    lc = triton_decode.default_launch(4, 128)
     const = dict(HQ=32, GROUP=4, GP=4, D=128, G=128, KB=128, SINK=64, WINDOW=256, STATE_BLOCKS=18, ROWS=18,
                  NUM_BF16=-(-320 // lc["bf16_rows"]), BLOCK_N=lc["bf16_rows"], ASM=True, NSTAGE=lc["num_stages"],
                  TILE=lc["tile"])
@@ -112,7 +112,7 @@ def decode_job() -> tuple:
 def store_jobs() -> list[tuple]:
     """The write path at a prefill chunk's launch, with and without the K
     rotation (no loop: the clip search and the rotation are unrolled)."""
-    lc = triton_store.STORE_LARGE
+    lc = triton_store.default_launch(128)
     jobs = []
     for rotate in (True, False):
         const = dict(H=8, D=128, G=128, KB=128, SINK=64, WINDOW=256, RING=256, STATE_BLOCKS=18, ROWS=18,

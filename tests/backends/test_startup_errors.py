@@ -86,8 +86,3 @@ def test_bad_settings_fail_at_start(kvq, message):
 def test_wrong_cache_dtype_fails_at_start():
     with pytest.raises(Exception, match="--kv-cache-dtype auto"):
         make_llm(oscar={}, kv_cache_dtype="fp8")
-
-
-def test_hybrid_with_triton_kernels_fails_at_start():
-    with pytest.raises(Exception, match="kernels.*reference"):
-        make_llm("house-qwen3next", oscar={"kernels": "triton"}, dtype="bfloat16")

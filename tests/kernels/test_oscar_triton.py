@@ -30,7 +30,8 @@ if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
 # decode also takes a group that is not a power of two, a sink + window over
 # several BF16 programs, a group wider than 8 (N = 16, 64-token steps) and a
 # block that is not a power of two (steps of the largest power of two dividing it)
-DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24), dict(SMALL, group=12), dict(SMALL, kb=48)]
+DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24), dict(SMALL, group=12), dict(SMALL, kb=48),
+                          dict(SMALL, d=256, g=256)]
 # decode launches: the default, and on a GPU other step sizes, stage counts, warps and
 # BF16 rows per program
 DECODE_LAUNCHES = [None]
@@ -301,6 +302,11 @@ def test_extend_head_blocks(launch):
     """Six query heads per KV head: two programs of four heads each (the second
     half masked), or six of one head."""
     test_extend_matches_reference(dict(SMALL, group=6), launch)
+
+
+def test_extend_head_size_256():
+    """Head size 256 (Qwen3-Next's attention): half the query rows and key tile."""
+    test_extend_matches_reference(dict(SMALL, d=256, g=256))
 
 
 def test_extend_block_not_a_power_of_two():

@@ -21,12 +21,6 @@ def check_oscar_config(vllm_config) -> None:
     s = kvq_settings.from_vllm_config(vllm_config)
     if model_config.use_mla:
         raise ValueError("OSCAR does not support MLA models; drop --attention-backend OSCAR")
-    if model_config.is_hybrid and uses_triton(s, torch.device(current_platform.device_type)):
-        raise ValueError(
-            "OSCAR's Triton kernels take one page per tile and are not built for the long attention "
-            "blocks of hybrid models (about 1K tokens, sized to the GDN state); serve this model with "
-            "--additional-config '{\"kvq\": {\"kernels\": \"reference\"}}'"
-        )
     if s.scheme in ("kivi", "tiered") and uses_triton(s, torch.device(current_platform.device_type)):
         raise ValueError(
             f"kvq.scheme '{s.scheme}' is built only in the PyTorch reference ops, not the Triton "

@@ -30,17 +30,22 @@ import triton.language as tl
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
 LOG2E = 1.4426950408889634
-# The best of the H200 sweep (benchmarks/results/oscar_kernels.json): 128-token steps
-# while a KV head's query heads fit one 8-wide MMA tile, 64-token steps for wider
-# groups (registers). bf16_rows: state rows per BF16 program (more would set the whole
+# The best of the H200 sweep at head size 128 (benchmarks/results/oscar_kernels.json):
+# 128-token steps while a KV head's query heads fit one 8-wide MMA tile, 64-token steps
+# for wider groups. bf16_rows: state rows per BF16 program (more would set the whole
 # kernel's register count).
 LAUNCH = {"num_warps": 1, "num_stages": 6, "tile": 128, "bf16_rows": 32}
-WIDE_GROUP_LAUNCH = {**LAUNCH, "tile": 64}
 
 
-def default_launch(group: int) -> dict:
-    """The launch for ``group`` query heads per KV head."""
-    return LAUNCH if group <= 8 else WIDE_GROUP_LAUNCH
+def default_launch(group: int, head_size: int) -> dict:
+    """The launch for ``group`` query heads per KV head of ``head_size``.
+
+    Registers grow with the step's tokens x head size: wider groups halve the
+    step, and so does each doubling of the head size past 128, as do the
+    BF16 programs' rows (head size 256 then compiles without spills for sm_90a;
+    sized by registers, not timed)."""
+    wide = max(head_size, 128) // 128
+    return {**LAUNCH, "tile": max((128 if group <= 8 else 64) // wide, 16), "bf16_rows": max(32 // wide, 16)}
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -372,7 +377,7 @@ def decode_attention(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    lc = {**default_launch(group), **(launch or {})}
+    lc = {**default_launch(group, d), **(launch or {})}
     tile = math.gcd(lc["tile"], fmt.block_size)  # a power of two that divides the block
     n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), lc["bf16_rows"])
     parts = splits + n_bf16

@@ -19,9 +19,16 @@ import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
-# tokens per program and warps: decode-sized batches, prefill chunks
-STORE_SMALL = {"block_t": 16, "num_warps": 4}
-STORE_LARGE = {"block_t": 16, "num_warps": 4}
+# tokens per program and warps, decode batches and prefill chunks alike: the best of
+# the H200 sweep at head size 128 (benchmarks/results/oscar_kernels.json)
+LAUNCH = {"block_t": 16, "num_warps": 4}
+
+
+def default_launch(head_size: int) -> dict:
+    """The launch for ``head_size``: twice the warps per doubling past 128 (the
+    rotation's [block_t, D] tiles; rotated head size 256 then compiles without
+    spills for sm_90a; sized by registers, not timed)."""
+    return {**LAUNCH, "num_warps": LAUNCH["num_warps"] * (max(head_size, 128) // 128)}
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -199,7 +206,7 @@ def store_tokens(
     keys in bf16 ``[N, H, D]`` (``k`` itself when there is no rotation).
 
     ``data``/``state`` select the INT2 rows and the BF16 sink/window rows;
-    ``launch``: ``{"block_t", "num_warps"}``, default by batch size. A
+    ``launch``: ``{"block_t", "num_warps"}`` over :func:`default_launch`. A
     multi-token chunk stores its INT2 rows, attends, then stores its BF16 rows:
     its early queries still need the ring rows its later tokens overwrite.
     """
@@ -244,7 +251,7 @@ def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_m
     if rotate:
         k_rotation = k_rotation.to(torch.float32).contiguous()
     k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
-    lc = dict(launch or (STORE_SMALL if n <= 256 else STORE_LARGE))
+    lc = {**default_launch(d), **(launch or {})}
     block_t = lc.pop("block_t")
     grid = (triton.cdiv(n, block_t), h)
     decode = positions is None
