@@ -26,6 +26,11 @@ reports which path its decode batches took, and a mismatch is listed under
    with graphs none of the job's may (``triton_calls_in_job``; warm-ups and
    captures happen before it).
    vLLM's default graph mode must be refused at start, naming the fix.
+   Variants starting with ``oscar_`` put OSCAR (Hadamard, INT2 past a
+   16-token sink and 32-token window) on the attention layers too, at the
+   long, state-sized blocks vLLM gives a hybrid: its Triton kernels must be
+   within 0.03 of its reference ops (fp16 tensor-core operands) with the same
+   pool, and under graphs within 0.01 of eager, having replayed.
 2. ``speed``: a larger model (16 value heads of 128 x 128 per GDN layer), 256
    requests decoding at once (eager): tokens/s with FP32 states, the INT6
    pool through the Triton step, and staged. ``tok_s`` is the whole
@@ -74,6 +79,8 @@ LARGE = {**SMALL, "hidden_size": 2048, "intermediate_size": 6144, "num_hidden_la
 # width and FP16 pivots (16), within the budget (a pivot counts as 8 bits).
 PLAN_WIDTHS = {6: [(16, 6, 4, 2), (8, 6, 6, 4), (2, 8, 6, 8)], 4: [(16, 4, 2, 2), (6, 4, 4, 2), (4, 4, 4, 4)]}
 STAGED = {"kernels": "reference"}
+OSCAR = {"rotation": "hadamard", "sink": 16, "window": 32}  # the attention layers' cache, INT2 in 400-token prompts
+MIXED = {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}
 # Full CUDA graphs for decode-only batches; 16 requests pad to the capture size 24 (padding rows: slot -1)
 GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 24]}
 
@@ -95,6 +102,9 @@ JOBS = [
     ("speed", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
     ("check", "stepquant_mixed_staged",
      {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", **STAGED}, "staged"),
+    ("check", "oscar_stepquant_mixed", {**OSCAR, **MIXED}, "triton"),
+    ("check", "oscar_stepquant_mixed_graphs", {**OSCAR, **MIXED}, "triton"),
+    ("check", "oscar_stepquant_mixed_staged", {**OSCAR, **MIXED, **STAGED}, "staged"),
     ("speed", "uniform_int6_staged", {"state": "uniform", "state_bits": 6, **STAGED}, "staged"),
 ]
 
@@ -172,8 +182,9 @@ def engine(job: dict) -> dict:
     else:
         kw.update(enforce_eager=True, max_num_seqs=job["batch"])
     fmt = "auto" if (Path(job["model"]) / "model.safetensors").exists() else "dummy"
+    backend = "OSCAR" if "rotation" in (job["kvq"] or {}) else "TRITON_ATTN"
     llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16",
-              attention_backend="TRITON_ATTN", mamba_ssm_cache_dtype="float32",
+              attention_backend=backend, mamba_ssm_cache_dtype="float32",
               gpu_memory_utilization=job["mem"], max_model_len=job["max_len"], enable_prefix_caching=False, seed=0,
               **kw)
     g = torch.Generator().manual_seed(0)
@@ -296,6 +307,13 @@ def summarize(report: dict, results: dict) -> None:
             verdict["graphs_match_eager"] = graphs["vs_eager"]["dlogprob_mean"] < 0.01
         if "triton_calls_in_job" in graphs:  # every decode step of the job replayed a graph
             verdict["graphs_replayed"] = graphs["triton_calls_in_job"] == 0
+        oscar, oscar_graphs = check.get("oscar_stepquant_mixed", {}), check.get("oscar_stepquant_mixed_graphs", {})
+        if "vs_staged" in oscar:  # OSCAR's Triton kernels against its reference ops, the pool the same
+            verdict["oscar_triton_matches_reference"] = oscar["vs_staged"]["dlogprob_mean"] < 0.03
+        if "vs_eager" in oscar_graphs:
+            verdict["oscar_graphs_match_eager"] = oscar_graphs["vs_eager"]["dlogprob_mean"] < 0.01
+        if "triton_calls_in_job" in oscar_graphs:
+            verdict["oscar_graphs_replayed"] = oscar_graphs["triton_calls_in_job"] == 0
         check["ok"] = bool(verdict) and all(verdict.values()) and not any(p.startswith("check") for p in problems)
         check["verdict"] = verdict
     if speed is not None:

@@ -18,6 +18,8 @@
 #   state-graphs  the pool under full CUDA graphs for decode-only batches against eager, and the
 #          refusal of vLLM's default graph mode, scripts/cuda_state_check.py (~6 min; not by default);
 #   state-e2e-graphs  the state-e2e job with full CUDA graphs for decodes in every engine (~8 min; not by default);
+#   state-oscar  OSCAR's Triton kernels on the hybrid's attention layers with the pool, against its reference
+#          ops and under graphs, scripts/cuda_state_check.py (~5 min; not by default);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
 #   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min).
 set -uo pipefail
@@ -68,6 +70,12 @@ if [[ $steps == *" state-graphs "* ]]; then
   timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
     --only stepquant_mixed stepquant_mixed_graphs uniform_int6_default_graphs > "$OUT/cuda_state_check.log" 2>&1
   echo "state graphs rc=$?"; tail -40 "$OUT/cuda_state_check.log"
+  [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
+fi
+if [[ $steps == *" state-oscar "* ]]; then
+  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
+    --only oscar_stepquant_mixed oscar_stepquant_mixed_graphs oscar_stepquant_mixed_staged > "$OUT/cuda_state_check.log" 2>&1
+  echo "state oscar rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
 if [[ $steps == *" state-e2e-graphs "* ]]; then
