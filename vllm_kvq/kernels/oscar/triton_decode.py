@@ -8,12 +8,11 @@ the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the state blocks.
 Grid ``(B, H, splits + bf16 programs)``: programs ``0 .. splits-1`` of a
 (request, KV head) stream equal slices of its INT2 range; the others each
 read ``bf16_rows`` of its ``min(L, S0 + W)`` BF16 state rows. Every program
-serves all query heads
-of its KV head (GQA: each page byte is read once). INT2 codes are never
-expanded to values in memory: with ``k = code * s + m`` per row and group,
-``q.k = s (q.code) + m sum(q)``, so the dot products run on the raw codes and
-the per-token scale and min are applied to the scores (and, for values, to
-the probabilities). No host sync, and the split count depends only on the
+serves all query heads of its KV head (GQA: each page byte is read once).
+INT2 codes are never expanded to values in memory: with ``k = code * s + m``
+per row and group, ``q.k = s (q.code) + m sum(q)``, so the dot products run on
+the raw codes and the per-token scale and min are applied to the scores (and,
+for values, to the probabilities). No host sync, and the split count depends only on the
 batch size and static config: safe to capture in a CUDA graph. A request of
 length 0 (vLLM's padding of a replayed batch) reads no page and gets zeros.
 """
@@ -176,6 +175,7 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
+    # the key dots start from -1024 sum q' (the bias of c' = 1024 + 4^j c)
     neg_qb_a = tl.zeros([TILE, GP], tl.float32) - qb_a[None, :]
     neg_qb_b = tl.zeros([TILE, GP], tl.float32) - qb_b[None, :]
     a0 = tl.zeros([D4, GP], tl.float32)
@@ -219,9 +219,12 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         s = tl.where(ok[:, None], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 0)
 
+        # rows past the range may hold stale bytes: keep them out of p * s
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)
         pa = (p * vs_a[:, None]).to(tl.float16)
+        # this step's bias (1024 sum p s) and min (sum p m) enter each quarter's
+        # accumulator before its dot, so the 1024s cancel inside one step
         bias_a = 1024.0 * tl.sum(pa.to(tl.float32), axis=0)
         min_a = tl.sum(p * vm_a[:, None], axis=0)
         if NG == 1:

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.oscar.triton_decode import softmax_step
+from vllm_kvq.kernels.oscar.triton_decode import _page_base, softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query tokens per tile
@@ -42,7 +42,7 @@ LAUNCH = {"rows": 64, "block_n": 64, "num_warps": 4}
 def default_launch(head_size: int) -> dict:
     """The launch for ``head_size``: the fp32 accumulators are rows x head size,
     so each doubling past 128 halves the rows and the key tile (head size 256
-    then spills 36 B for sm_90a instead of 1.5 KB; sized by registers, not timed)."""
+    then spills 36-44 B for sm_90a instead of 1.5 KB; sized by registers, not timed)."""
     wide = max(head_size, 128) // 128
     return {**LAUNCH, "rows": max(64 // wide, 16), "block_n": max(64 // wide, 16)}
 
@@ -60,11 +60,9 @@ def _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, SHIFT_V: tl.constexpr, D:
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
-    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
     GB: tl.constexpr = NG - 1
     d4 = tl.arange(0, D4)
-    blk = tl.load(row + STATE_BLOCKS + n0 // KB).to(tl.int64)
-    base = (blk * H + h) * BLOCK_BYTES
+    base = _page_base(row, n0 // KB, H, h, D, NG, KB, STATE_BLOCKS)
     off = n0 % KB + tl.arange(0, BLOCK_N)
     if SHIFT_V:  # V codes are byte-major (format.py): [D/4, BLOCK_N], then transposed
         c = tl.trans(tl.load(cache_u8 + base + KB * D4 + d4[:, None] * KB + off[None, :])).to(tl.int32)
