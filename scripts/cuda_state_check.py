@@ -31,8 +31,9 @@ reports which path its decode batches took, and a mismatch is listed under
    16-token sink and 32-token window) on the attention layers too, at the
    long, state-sized blocks vLLM gives a hybrid: its Triton kernels must be
    within 0.03 of its reference ops (fp16 tensor-core operands) with the same
-   pool, but not bit-equal to them (or the comparison did not see the
-   kernels), and under graphs within 0.01 of eager, having replayed.
+   pool, and under graphs within 0.01 of eager, having replayed. The
+   control: the same pool with BF16 attention (``stepquant_mixed``) must
+   differ from it, or the check cannot see the attention cache.
 2. ``speed``: a larger model (16 value heads of 128 x 128 per GDN layer), 256
    requests decoding at once (eager): tokens/s with FP32 states, the INT6
    pool through the Triton step, and staged. ``tok_s`` is the whole
@@ -311,6 +312,9 @@ def summarize(report: dict, results: dict) -> None:
             if twin and "tokens" in twin:
                 entry["vs_staged"] = compare(r, twin)
             eager = results.get(("check", name.removesuffix("_graphs"))) if name.endswith("_graphs") else None
+            bf16_attention = results.get(("check", name.removeprefix("oscar_"))) if name.startswith("oscar_") else None
+            if bf16_attention and "tokens" in bf16_attention:
+                entry["vs_bf16_attention"] = compare(r, bf16_attention)
             if eager and "tokens" in eager:
                 entry["vs_eager"] = compare(r, eager)
         verdict = {}
@@ -328,8 +332,8 @@ def summarize(report: dict, results: dict) -> None:
         oscar, oscar_graphs = check.get("oscar_stepquant_mixed", {}), check.get("oscar_stepquant_mixed_graphs", {})
         if "vs_staged" in oscar:  # OSCAR's Triton kernels against its reference ops, the pool the same
             verdict["oscar_triton_matches_reference"] = oscar["vs_staged"]["dlogprob_mean"] < 0.03
-            # the kernels round operands to fp16: bit-equal log-probabilities mean the comparison did not see them
-            verdict["oscar_triton_visible"] = oscar["vs_staged"]["dlogprob_max"] > 0
+        if "vs_bf16_attention" in oscar:  # the control: a check blind to INT2 attention proves nothing
+            verdict["oscar_int2_visible"] = oscar["vs_bf16_attention"]["dlogprob_max"] > 0
         if "vs_eager" in oscar_graphs:
             verdict["oscar_graphs_match_eager"] = oscar_graphs["vs_eager"]["dlogprob_mean"] < 0.01
         if "triton_calls_in_job" in oscar_graphs:

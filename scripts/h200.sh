@@ -74,7 +74,8 @@ if [[ $steps == *" state-graphs "* ]]; then
 fi
 if [[ $steps == *" state-oscar "* ]]; then
   timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
-    --only oscar_stepquant_mixed oscar_stepquant_mixed_graphs oscar_stepquant_mixed_staged > "$OUT/cuda_state_check.log" 2>&1
+    --only stepquant_mixed oscar_stepquant_mixed oscar_stepquant_mixed_graphs \
+    oscar_stepquant_mixed_staged > "$OUT/cuda_state_check.log" 2>&1
   echo "state oscar rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
