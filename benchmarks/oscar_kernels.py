@@ -395,8 +395,27 @@ def graph_check_section(c: dict) -> list[str]:
             f" {g['decode_steps']}, replayed from a graph {g['graph_replays']} ({g['padded_decode_steps']} of them"
             f" padded), OSCAR forwards run eagerly on a decode-only batch: {g['eager_decode_forwards']}.", "",
             "| prompts | sequences equal to eager | log-probabilities bit-identical | max abs dlogprob |",
-            "|---|---|---|---|", *rows, "",
+            "|---|---|---|---|", *rows, *graph_sanity_lines(c), "",
             f"Result: {'passed' if c.get('ok') else 'FAILED'}."] + ([f"\nNote: {c['note']}."] if "note" in c else [])
+
+
+def graph_sanity_lines(c: dict) -> list[str]:
+    """The check's side results: TRITON_ATTN under the same graphs, and OSCAR
+    eager against TRITON_ATTN eager where nothing is INT2 yet."""
+    lines = []
+    b = c.get("bf16")
+    if isinstance(b, dict) and "short_200" in b:
+        lines += ["", f"TRITON_ATTN under the same graphs against its eager run: {b['short_200']['sequences_equal']}"
+                  f" and {b['long_1500']['sequences_equal']} sequences equal"
+                  f" ({'bit-identical' if b['short_200']['logprobs_bit_identical'] else 'not bit-identical'})."]
+    x = c.get("oscar_eager_vs_bf16_eager_short_200")
+    if x:
+        lines += ["", f"OSCAR eager against TRITON_ATTN eager on the 200-token prompts (within sink + window, nothing"
+                  f" INT2): {x['sequences_equal']} sequences equal, equal up to each prompt's first near tie"
+                  f" ({x['decidable_tokens']} tokens): {'yes' if x['equal_on_decidable_prefix'] else 'NO'};"
+                  f" |dlogprob| mean {x['logprob_absdiff_mean']:.4f}, max {x['logprob_absdiff_max']:.4f}"
+                  " (the rotated keys are rounded to bf16 again, and the kernels round operands to fp16)."]
+    return lines
 
 
 def keep_stepquant_section(text: str) -> str:

@@ -25,9 +25,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh 0.32.0  # the version explicitly: a bare source passes on this script's arguments
-export PYTHONPATH=$PWD:$PYTHONPATH PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
 steps=" ${*:-tests statetests bench check graphs e2e state fp8 calib} "
+# inputs the steps read from the working tree: stop before any engine starts if one is missing
+need() { [[ -e $2 ]] || { echo "step $1 needs $2 ($3)"; exit 2; }; }
+for s in check graphs calib; do
+  [[ $steps == *" $s "* ]] && need $s .device-carry/house-qwen3/config.json \
+    "python scripts/pack_for_gpu.py .device-carry/house-qwen3"
+done
+[[ $steps == *" check "* ]] && need check examples/artifacts/house-qwen3-oscar/manifest.json "the calibrated artifact"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 if [[ $steps == *" tests "* ]]; then
