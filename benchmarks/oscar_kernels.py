@@ -3,7 +3,8 @@
 * Decode attention: batch x context x (Hq, Hkv, D); split-KV INT2 decode
   (store excluded) against torch SDPA (flash) over BF16 K/V, with effective
   bandwidth over the bytes each really reads, and the device's read bandwidth
-  measured here.
+  measured here; and at a hybrid model's block sizes (not multiples of the
+  step), the default launch against 16-token steps.
 * Write path: the fused store for a prefill-sized batch of tokens, against
   the bandwidth ceiling.
 * Extend (prefill chunk over INT2 + BF16 history) against torch SDPA (flash)
@@ -44,8 +45,8 @@ BATCHES = [1, 8, 32]
 CONTEXTS = [8192, 32768, 100_000]
 
 
-def fmt_for(d: int = 128) -> OscarFormat:
-    return OscarFormat(head_size=d, group_size=128, block_size=128, sink=64, window=256)
+def fmt_for(d: int = 128, block_size: int = 128) -> OscarFormat:
+    return OscarFormat(head_size=d, group_size=128, block_size=block_size, sink=64, window=256)
 
 
 def read_bandwidth() -> float:
@@ -113,15 +114,10 @@ def sweep_launch(hq: int, sms: int, gen) -> tuple[dict, list]:
 
 def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen, launch=None) -> dict:
     fmt = fmt_for(d)
-    cache, table = make_cache(fmt, batch, ctx, hkv, gen)
-    q = torch.randn(batch, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    out = torch.empty(batch, hq, d, dtype=torch.bfloat16, device=DEV)
-    splits = num_splits(batch, hkv, ctx, sms)
-    ms_oscar = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, d ** -0.5, splits, out, launch),
-                        warmup=10, rep=100)
+    ms_oscar = time_decode(fmt, hq, hkv, batch, ctx, sms, gen, launch)
+    splits = num_splits(batch, hkv, ctx, sms, fmt.block_size)
     nbytes = oscar_bytes(fmt, batch, ctx, hkv, hq)
-    del cache, table
+    q = torch.randn(batch, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
 
     # BF16 baseline: flash SDPA with the query heads of each KV head as its queries (GQA).
     k = torch.randn(batch, hkv, ctx, d, device=DEV, generator=gen).to(torch.bfloat16)
@@ -263,6 +259,40 @@ def bench_store_decode(batch: int, hkv: int, d: int, gen) -> float:
                     warmup=10, rep=50)
 
 
+def time_decode(fmt: OscarFormat, hq: int, hkv: int, batch: int, ctx: int, sms: int, gen, launch=None) -> float:
+    """ms of one decode step of ``batch`` requests of ``ctx`` tokens."""
+    cache, table = make_cache(fmt, batch, ctx, hkv, gen)
+    q = torch.randn(batch, hq, fmt.head_size, device=DEV, generator=gen).to(torch.bfloat16)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    out = torch.empty_like(q)
+    splits = num_splits(batch, hkv, ctx, sms, fmt.block_size)
+    ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, fmt.head_size ** -0.5, splits, out, launch),
+                  warmup=10, rep=100)
+    del cache, table
+    torch.cuda.empty_cache()
+    return ms
+
+
+# A hybrid model's attention blocks are sized by its state pages: vLLM gave 464 tokens to the dense
+# Qwen3.5-style hybrid of scripts/cuda_state_check.py, 400 to house-qwen3next.
+HYBRID_BLOCKS = [128, 464, 400]
+
+
+def bench_hybrid_blocks(sms: int, gen, launch: dict, batch: int = 32, ctx: int = 32768) -> list[dict]:
+    """Decode at 32/8/128 at blocks of HYBRID_BLOCKS: the default launch (a
+    partial last step a page where its step does not divide the block)
+    against 16-token steps, which divide every block here."""
+    rows = []
+    for kb in HYBRID_BLOCKS:
+        fmt = fmt_for(128, kb)
+        nbytes = oscar_bytes(fmt, batch, ctx, 8, 32)
+        for name, lc in (("default", launch), ("16-token steps", {**launch, "tile": 16})):
+            ms = time_decode(fmt, 32, 8, batch, ctx, sms, gen, lc)
+            rows.append({"block_size": kb, "launch": name, "ms": ms, "gbps": nbytes / ms / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def render(res: dict) -> str:
     bw = res["read_bandwidth_gbps"]
     lines = [
@@ -285,6 +315,13 @@ def render(res: dict) -> str:
             f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | {r['oscar_ms']:.3f} | "
             f"{r['oscar_gbps']:.0f} ({100 * r['oscar_gbps'] / bw:.0f}%) | {r['bf16_sdpa_ms']:.3f} | "
             f"{r['bf16_gbps']:.0f} | {r['speedup']:.2f}x |")
+    if "hybrid_blocks" in res:
+        lines += ["", "Decode at a hybrid model's block sizes (32/8/128, batch 32, 32K tokens; vLLM sizes a hybrid's"
+                  " attention blocks to its state pages): the default launch, whose last step a page is partial"
+                  " and masked where its step does not divide the block, against 16-token steps.", "",
+                  "| block | launch | ms | GB/s (% of read bw) |", "|---|---|---|---|"]
+        lines += [f"| {r['block_size']} | {r['launch']} | {r['ms']:.3f} | {r['gbps']:.0f} ({100 * r['gbps'] / bw:.0f}%) |"
+                  for r in res["hybrid_blocks"]]
     s = res["store"]
     lines += [
         "",
@@ -445,7 +482,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one shape, B=32 only")
     ap.add_argument("--first-shape", action="store_true", help="only the first (Hq, Hkv, D), every batch")
     ap.add_argument("--render-only", metavar="JSON")
-    ap.add_argument("--sections", nargs="*", default=["decode", "store", "extend", "projection"],
+    ap.add_argument("--sections", nargs="*", default=["decode", "hybrid_blocks", "store", "extend", "projection"],
                     help="run these; the others are kept from benchmarks/results/oscar_kernels.json")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
@@ -457,14 +494,16 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     saved = REPO / "benchmarks" / "results" / "oscar_kernels.json"
     res = json.loads(saved.read_text()) if saved.exists() and set(args.sections) != {
-        "decode", "store", "extend", "projection"} else {}
+        "decode", "hybrid_blocks", "store", "extend", "projection"} else {}
     res.update({"device": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"),
                 "torch": torch.__version__, "triton": triton.__version__, "sms": sms})
     res["read_bandwidth_gbps"] = read_bandwidth() / 1e9
     print(f"read bandwidth {res['read_bandwidth_gbps']:.0f} GB/s", flush=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "oscar_kernels.partial.json"
-    if "decode" in args.sections or "projection" in args.sections:
+    if args.sections and "launch" not in res and not {"decode", "projection"} & set(args.sections):
+        raise SystemExit("no saved launch in benchmarks/results/oscar_kernels.json: run the decode section too")
+    if {"decode", "projection"} & set(args.sections):
         res["launch"], res["launch_sweep"] = {}, []
         for hq, hkv, d in SHAPES:
             best, sweep = sweep_launch(hq, sms, gen)
@@ -481,6 +520,9 @@ def main() -> None:
                     res["decode"].append(r)
                     print(json.dumps(r), flush=True)
                     partial.write_text(json.dumps(res, indent=2))
+    if "hybrid_blocks" in args.sections:
+        res["hybrid_blocks"] = bench_hybrid_blocks(sms, gen, res["launch"]["32/8/128"])
+        partial.write_text(json.dumps(res, indent=2))
     if "store" in args.sections:
         res["store"] = bench_store(16384, 8, 128, gen)
         print(json.dumps(res["store"]), flush=True)

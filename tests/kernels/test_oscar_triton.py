@@ -29,7 +29,7 @@ if DEV == "cuda" and os.environ.get("OSCAR_REAL_SHAPES"):
     SHAPES += [REAL, dict(REAL, g=64)]
 # decode also takes a group that is not a power of two, a sink + window over
 # several BF16 programs, a group wider than 8 (N = 16, 64-token steps) and a
-# block that is not a power of two (steps of the largest power of two dividing it)
+# block that is not a power of two (one 64-token step a page, its last 16 rows masked)
 DECODE_SHAPES = SHAPES + [dict(SMALL, group=3, window=24), dict(SMALL, group=12), dict(SMALL, kb=48),
                           dict(SMALL, d=256, g=256)]
 # decode launches: the default, and on a GPU other step sizes, stage counts, warps and
@@ -237,6 +237,13 @@ def test_padded_decode_batch(shape, store):
 def test_decode_sub_page_steps(g):
     """Steps of half a page (two per block), as the one- and two-warp launches take them."""
     test_decode_matches_reference(dict(SMALL, g=g, kb=32), 3, {"num_warps": 2, "num_stages": 2, "tile": 16})
+
+
+@pytest.mark.parametrize("tile", [32, 16])
+def test_decode_partial_steps(tile):
+    """48-token blocks in 32-token steps: each page's second step is partial
+    (16 rows inside, 16 masked); in 16-token steps none is."""
+    test_decode_matches_reference(dict(SMALL, kb=48), 3, {"tile": tile})
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")

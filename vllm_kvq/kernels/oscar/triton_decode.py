@@ -99,10 +99,15 @@ def _page_base(row, page, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.conste
 
 
 @triton.jit
-def _load_scales(cache_f16, base, t, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr):
-    """fp16 (scale, min) of rows ``t`` of a page, K and V, as ``[len(t), 2 NG]``."""
+def _load_scales(cache_f16, base, t, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+                 PARTIAL: tl.constexpr = False):
+    """fp16 (scale, min) of rows ``t`` of a page, K and V, as ``[len(t), 2 NG]``;
+    with PARTIAL, rows past the page read as zeros."""
     j = tl.arange(0, 2 * NG)
     sm = cache_f16 + base // 2 + KB * (D // 4) + t[:, None] * (2 * NG) + j[None, :]
+    if PARTIAL:
+        inside = (t < KB)[:, None]
+        return tl.load(sm, mask=inside, other=0.0), tl.load(sm + KB * 2 * NG, mask=inside, other=0.0)
     return tl.load(sm), tl.load(sm + KB * 2 * NG)
 
 
@@ -131,6 +136,9 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     """One slice of whole pages of the INT2 range ``[S0, L - W)``.
 
     A step is TILE tokens of one page; its codes and scales are contiguous.
+    Where TILE does not divide the block (a hybrid model's blocks, sized by
+    its state pages), a page's last step is partial: its rows past the page
+    are masked, never read.
     Both products put the tokens on the tensor cores' M/K side and the few
     query heads of the KV head on N (padded to 8, not to 16 as a query-major
     product would be): scores ``S^T = K Q^T [TILE, GP]`` and outputs ``O^T =
@@ -143,7 +151,8 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
     d4 = tl.arange(0, D4)
-    SUB: tl.constexpr = KB // TILE
+    SUB: tl.constexpr = (KB + TILE - 1) // TILE  # steps per page
+    PARTIAL: tl.constexpr = KB % TILE != 0
     t = tl.arange(0, TILE)
     code_off = t[:, None] * D4 + d4[None, :]          # K: [TILE, D4], token-major
     vcode_off = d4[:, None] * KB + t[None, :]         # V: [D4, TILE], byte-major in the page
@@ -188,11 +197,20 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         # a step's addresses come from the loop index alone, so Triton keeps
         # several steps' code and scale copies in flight (num_stages)
         pbase = _page_base(row, step // SUB, H, h, D, NG, KB, STATE_BLOCKS)
-        ksm, vsm = _load_scales(cache_f16, pbase, (step % SUB) * TILE + t, D, NG, KB)
-        kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off)
-        vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off)
-        pos = step * TILE + t
-        ok = (pos >= lo) & (pos < hi)
+        ksm, vsm = _load_scales(cache_f16, pbase, (step % SUB) * TILE + t, D, NG, KB, PARTIAL)
+        if PARTIAL:
+            r = (step % SUB) * TILE + t  # row in the page
+            inside = r < KB
+            kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off, mask=inside[:, None], other=0)
+            vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off, mask=inside[None, :],
+                         other=0)
+            pos = (step // SUB) * KB + r
+            ok = inside & (pos >= lo) & (pos < hi)
+        else:
+            kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off)
+            vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off)
+            pos = step * TILE + t
+            ok = (pos >= lo) & (pos < hi)
         ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
         vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, TILE, NG)
         if ASM:
@@ -381,7 +399,8 @@ def decode_attention(
     if q.stride(2) != 1:
         q = q.contiguous()
     lc = {**default_launch(group, d), **(launch or {})}
-    tile = math.gcd(lc["tile"], fmt.block_size)  # a power of two that divides the block
+    # a block shorter than the step takes one step a page, masked past its end
+    tile = min(lc["tile"], triton.next_power_of_2(fmt.block_size))
     n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), lc["bf16_rows"])
     parts = splits + n_bf16
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=q.device)
