@@ -197,20 +197,20 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         # a step's addresses come from the loop index alone, so Triton keeps
         # several steps' code and scale copies in flight (num_stages)
         pbase = _page_base(row, step // SUB, H, h, D, NG, KB, STATE_BLOCKS)
-        ksm, vsm = _load_scales(cache_f16, pbase, (step % SUB) * TILE + t, D, NG, KB, PARTIAL)
+        r = (step % SUB) * TILE + t  # rows in the page
+        ksm, vsm = _load_scales(cache_f16, pbase, r, D, NG, KB, PARTIAL)
+        k_at = cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off
+        v_at = cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off
+        pos = (step // SUB) * KB + r
+        ok = (pos >= lo) & (pos < hi)
         if PARTIAL:
-            r = (step % SUB) * TILE + t  # row in the page
             inside = r < KB
-            kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off, mask=inside[:, None], other=0)
-            vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off, mask=inside[None, :],
-                         other=0)
-            pos = (step // SUB) * KB + r
-            ok = inside & (pos >= lo) & (pos < hi)
+            kc = tl.load(k_at, mask=inside[:, None], other=0)
+            vc = tl.load(v_at, mask=inside[None, :], other=0)
+            ok = ok & inside
         else:
-            kc = tl.load(cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off)
-            vc = tl.load(cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off)
-            pos = step * TILE + t
-            ok = (pos >= lo) & (pos < hi)
+            kc = tl.load(k_at)
+            vc = tl.load(v_at)
         ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
         vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, TILE, NG)
         if ASM:
