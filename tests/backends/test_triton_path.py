@@ -5,7 +5,7 @@ processes) runs the fused store, the extend kernel for the 64-token prefill
 chunks and the split-KV decode in Triton's interpreter, with the metadata the
 builder makes for CUDA. Its tokens and logprobs must match the reference path,
 on a dense model and on a gated-delta-net hybrid, whose attention blocks vLLM
-makes long (2,048 tokens here) to match its state pages.
+makes long (400 tokens here) to match its state pages.
 """
 
 import os
@@ -73,8 +73,9 @@ def test_hybrid_triton_path_with_state_pool(greedy, monkeypatch):
     the hybrid's long blocks, its GDN states in the STEPQuant pool (the same
     pool in both runs, reference codec on CPU)."""
     block, diffs = _compare(greedy, monkeypatch, kvq=POOL, dtype="bfloat16")
-    # vLLM sizes the block to the packed state page: not a power of two, so the
-    # kernels step through it 16 tokens at a time (the largest power of two dividing it)
+    # vLLM sizes the block to the packed state page: not a power of two, so decode's
+    # last step a page is partial, and extend steps 16 tokens at a time (the largest
+    # power of two dividing it)
     assert block >= 256 and block & (block - 1)
     # bf16 model (measured: mean 0.005, max 0.046)
     assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.03

@@ -240,10 +240,25 @@ def test_decode_sub_page_steps(g):
 
 
 @pytest.mark.parametrize("tile", [32, 16])
-def test_decode_partial_steps(tile):
+def test_decode_partial_steps(tile, monkeypatch):
     """48-token blocks in 32-token steps: each page's second step is partial
-    (16 rows inside, 16 masked); in 16-token steps none is."""
+    (16 rows inside, 16 masked); in 16-token steps none is. The kernel must
+    get the asked step, not one that divides the block."""
+    from vllm_kvq.kernels.oscar import triton_decode
+
+    launched = []
+    kernel = triton_decode._decode_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launched.append(kw["TILE"])
+                return kernel[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
     test_decode_matches_reference(dict(SMALL, kb=48), 3, {"tile": tile})
+    assert launched == [tile]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"D{s['d']}-G{s['g']}-KB{s['kb']}")
