@@ -20,9 +20,9 @@ reports which path its decode batches took, and a mismatch is listed under
    on log-probabilities up to each prompt's first differing token: the FP16
    pool's must be within 0.01 of FP32's on average, and the Triton step's
    within 0.01 of the staged path's on the same plan. The control: uniform
-   INT6 must move them at all, or the check cannot see the states. The plan again with
-   full CUDA graphs for decode-only batches (``GRAPHS``, padded batches
-   included) must be within 0.01 of its eager run, and must have replayed:
+   INT6 must move them at all, or the check cannot see the states. The plan
+   again with full CUDA graphs for decode-only batches (``GRAPHS``, padded
+   batches included) must be within 0.01 of its eager run, and must have replayed:
    every layer counts the decode batches that ran the step from Python, and
    with graphs none of the job's may (``triton_calls_in_job``; warm-ups and
    captures happen before it).
@@ -95,16 +95,14 @@ SPEED = dict(model="large", mem=0.5, max_len=1024, batch=256, requests=256, prom
 # ending in _graphs run with GRAPHS (``refused``: start-up must refuse vLLM's default graph mode).
 JOBS = [
     ("check", "fp32_state", None, None),
-    ("check", "stepquant_mixed", {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}, "triton"),
-    ("check", "stepquant_mixed_graphs", {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"},
-     "triton"),
+    ("check", "stepquant_mixed", MIXED, "triton"),
+    ("check", "stepquant_mixed_graphs", MIXED, "triton"),
     ("check", "uniform_int6_default_graphs", {"state": "uniform", "state_bits": 6}, "refused"),
     ("check", "fp16_pool", {"state": "uniform", "state_bits": 16}, "triton"),
     ("check", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
     ("speed", "fp32_state", None, None),
     ("speed", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
-    ("check", "stepquant_mixed_staged",
-     {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", **STAGED}, "staged"),
+    ("check", "stepquant_mixed_staged", {**MIXED, **STAGED}, "staged"),
     ("check", "oscar_stepquant_mixed", {**OSCAR, **MIXED}, "triton"),
     ("check", "oscar_stepquant_mixed_graphs", {**OSCAR, **MIXED}, "triton"),
     ("check", "oscar_stepquant_mixed_staged", {**OSCAR, **MIXED, **STAGED}, "staged"),
