@@ -239,6 +239,22 @@ def test_decode_sub_page_steps(g):
     test_decode_matches_reference(dict(SMALL, g=g, kb=32), 3, {"num_warps": 2, "num_stages": 2, "tile": 16})
 
 
+def _record_launches(monkeypatch, module, kernel: str, key: str) -> list:
+    """Wrap ``module.kernel`` so that each launch appends its ``key`` constexpr
+    to the returned list, then runs as before."""
+    launched, jit = [], getattr(module, kernel)
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                launched.append(kw[key])
+                return jit[grid](*args, **kw)
+            return run
+
+    monkeypatch.setattr(module, kernel, Recorder())
+    return launched
+
+
 @pytest.mark.parametrize("tile", [32, 16])
 def test_decode_partial_steps(tile, monkeypatch):
     """48-token blocks in 32-token steps: each page's second step is partial
@@ -246,17 +262,7 @@ def test_decode_partial_steps(tile, monkeypatch):
     get the asked step, not one that divides the block."""
     from vllm_kvq.kernels.oscar import triton_decode
 
-    launched = []
-    kernel = triton_decode._decode_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def run(*args, **kw):
-                launched.append(kw["TILE"])
-                return kernel[grid](*args, **kw)
-            return run
-
-    monkeypatch.setattr(triton_decode, "_decode_kernel", Spy())
+    launched = _record_launches(monkeypatch, triton_decode, "_decode_kernel", "TILE")
     test_decode_matches_reference(dict(SMALL, kb=48), 3, {"tile": tile})
     assert launched == [tile]
 
