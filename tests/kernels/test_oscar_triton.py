@@ -278,9 +278,9 @@ def test_extend_matches_reference(shape, launch=None):
     fmt = _fmt(shape)
     h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
     w, s0 = fmt.window, fmt.sink
-    steps = [(0, 3 * w + 5), (s0 - 2, 5), (s0 + w // 2, 2 * w + 3), (4 * fmt.block_size + 3, w - 1),
+    steps = [(0, 3 * w + 5), (max(s0 - 2, 0), 5), (s0 + w // 2, 2 * w + 3), (4 * fmt.block_size + 3, w - 1),
              (4 * fmt.block_size + 3, 1)]
-    if shape["d"] == 128:
+    if shape["window"] == REAL["window"]:  # the serving shapes: a chunk far into a long context too
         steps += [(9000, 700)]
     table, nblocks = _block_table(fmt, [c + t for c, t in steps], gen)
     tdev = table.to(DEV)
@@ -337,7 +337,26 @@ def test_extend_head_size_256():
     test_extend_matches_reference(dict(SMALL, d=256, g=256))
 
 
-def test_extend_block_not_a_power_of_two():
-    """Blocks of 48 tokens: INT2 key tiles of 16 (the largest power of two
-    dividing the block), each inside one page."""
-    test_extend_matches_reference(dict(SMALL, kb=48))
+@pytest.mark.parametrize("shape", [dict(SMALL, kb=48), dict(SMALL, kb=48, sink=0), dict(SMALL, d=128, g=128, kb=80)],
+                         ids=["D64-KB48", "D64-KB48-nosink", "D128-KB80"])
+def test_extend_partial_tiles(shape, monkeypatch):
+    """Blocks that no power of two past 16 divides (a hybrid model's blocks are
+    sized by its state pages): a page's last INT2 key tile is partial (32-key
+    tiles through 48-token blocks, 64-key tiles through 80-token ones), with
+    and without a sink. The kernel must get that tile, not one that divides
+    the block."""
+    from vllm_kvq.kernels.oscar import triton_extend
+
+    launched = _record_launches(monkeypatch, triton_extend, "_extend_kernel", "BLOCK_N")
+    test_extend_matches_reference(shape, {"block_n": 64})
+    assert launched == [shape["d"] // 2]
+
+
+def test_extend_head_size_64_tiles(monkeypatch):
+    """Head size 64 in 64-token blocks takes 32-key tiles (:func:`key_tile`;
+    64-key tiles there gave wrong outputs compiled for the H200)."""
+    from vllm_kvq.kernels.oscar import triton_extend
+
+    launched = _record_launches(monkeypatch, triton_extend, "_extend_kernel", "BLOCK_N")
+    test_extend_matches_reference(dict(SMALL, kb=64))
+    assert launched == [32]

@@ -24,8 +24,6 @@ from the chunk's own (rotated) keys and values.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -47,16 +45,28 @@ def default_launch(head_size: int) -> dict:
     return {**LAUNCH, "rows": max(64 // wide, 16), "block_n": max(64 // wide, 16)}
 
 
+def key_tile(block_n: int, head_size: int, block_size: int) -> int:
+    """The key tile a launch asking for ``block_n`` gets: at most the block
+    (a page's last tile is partial where the tile does not divide it) and at
+    most half the head size. Compiled by Triton 3.6 for the H200, 64-key tiles
+    at head size 64 give wrong outputs (64-token blocks) or fault (48-token
+    blocks), while 32-key tiles there and 64-key tiles at head size 128 match
+    the reference."""
+    return min(block_n, head_size // 2, 1 << (block_size.bit_length() - 1))
+
+
 @triton.jit
 def _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, SHIFT_V: tl.constexpr, D: tl.constexpr,
                G: tl.constexpr, KB: tl.constexpr, STATE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantized K (SHIFT_V=0) or V (1) rows of positions ``n0 ..
     n0 + BLOCK_N``, as four fp16 quarters; rows not ``ok`` are zeros.
 
-    The rows lie in one page (BLOCK_N divides KB, n0 is a multiple of it), so
-    codes are read as contiguous runs: K's rows along the head dim, V's
-    byte-major rows along the tokens. The page holds ``n0``, which the
-    request owns, so codes are read unmasked; the masked scales zero the rest.
+    ``n0`` starts a tile of its page (a multiple of BLOCK_N past the page's
+    start), so codes are read as contiguous runs: K's rows along the head dim,
+    V's byte-major rows along the tokens. A page's last tile may run past it
+    where BLOCK_N does not divide KB; its rows there are not ``ok``. Codes are
+    read unmasked (every address stays inside the page's own region, which
+    the request owns: BLOCK_N <= KB); the masked scales zero the rest.
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
@@ -105,6 +115,33 @@ def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_
     x3 = tl.load(ring[:, None] + 3 * D4 + d4[None, :], mask=old[:, None], other=0.0) + \
         tl.load(chunk[:, None] + 3 * D4 + d4[None, :], mask=new[:, None], other=0.0)
     return x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16)
+
+
+@triton.jit
+def _step_of(p, KB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The INT2 step that holds position ``p >= 0`` (steps run page by page)."""
+    SUB: tl.constexpr = (KB + BLOCK_N - 1) // BLOCK_N
+    return (p // KB) * SUB + (p % KB) // BLOCK_N
+
+
+@triton.jit
+def _steps_before(p, KB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """How many INT2 steps hold positions below ``p >= 0``."""
+    SUB: tl.constexpr = (KB + BLOCK_N - 1) // BLOCK_N
+    return (p // KB) * SUB + ((p % KB) + BLOCK_N - 1) // BLOCK_N
+
+
+@triton.jit
+def _step_rows(step, KB: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(first position, positions, inside its page) of an INT2 step's rows."""
+    SUB: tl.constexpr = (KB + BLOCK_N - 1) // BLOCK_N
+    r = (step % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows in the page
+    n0 = (step // SUB) * KB + (step % SUB) * BLOCK_N
+    if KB % BLOCK_N == 0:
+        inside = tl.full([BLOCK_N], True, tl.int1)
+    else:
+        inside = r < KB
+    return n0, n0 + tl.arange(0, BLOCK_N), inside
 
 
 @triton.jit
@@ -176,12 +213,16 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         a2 = a2 * alpha[:, None] + tl.dot(pf, v2)
         a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
 
-    # 2. keys at least W behind every query of the tile: INT2
-    # (tiles start on multiples of BLOCK_N, so each lies in one page)
+    # 2. keys at least W behind every query of the tile: INT2, in steps of
+    # BLOCK_N through each page (a page's last step partial where BLOCK_N
+    # does not divide KB)
     int2_end = tl.maximum(t_min - WINDOW + 1, SINK)
-    for n0 in range(SINK // BLOCK_N * BLOCK_N, int2_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        ok = (pos >= SINK) & (pos < int2_end)
+    int2_lo = _step_of(SINK, KB, BLOCK_N)
+    # none when every key is in a window (a chunk inside the sink may not own the sink's last page)
+    int2_hi = tl.where(int2_end > SINK, _steps_before(int2_end, KB, BLOCK_N), int2_lo)
+    for step in range(int2_lo, int2_hi):
+        n0, pos, inside = _step_rows(step, KB, BLOCK_N)
+        ok = (pos >= SINK) & (pos < int2_end) & inside
         k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
         s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
         s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
@@ -194,9 +235,9 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
 
     # 3. the rest, up to the last query: BF16 inside each query's window, INT2 beyond
-    for n0 in range(int2_end // BLOCK_N * BLOCK_N, t_max + 1, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        ok = (pos >= int2_end) & (pos <= t_max)
+    for step in range(_step_of(int2_end, KB, BLOCK_N), _steps_before(t_max + 1, KB, BLOCK_N)):
+        n0, pos, inside = _step_rows(step, KB, BLOCK_N)
+        ok = (pos >= int2_end) & (pos <= t_max) & inside
         # ring rows older than ctx - W now hold newer positions; no query here reads them in BF16
         has_bf16 = ok & ((pos >= ctx) | (pos >= ctx - WINDOW))
         k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
@@ -271,6 +312,6 @@ def extend_attention(
         out, out.stride(0), out.stride(1),
         h, GROUP=group, HEADS=heads, D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink,
         WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        BLOCK_M=BLOCK_M, BLOCK_N=math.gcd(lc["block_n"], fmt.block_size), num_warps=lc["num_warps"],
+        BLOCK_M=BLOCK_M, BLOCK_N=key_tile(lc["block_n"], d, fmt.block_size), num_warps=lc["num_warps"],
     )
     return out
