@@ -181,20 +181,10 @@ def bench_extend(hq: int, hkv: int, d: int, ctx: int, chunk: int, gen) -> dict:
     each launch of EXTEND_LAUNCHES, against flash SDPA over the same keys in
     BF16 (not causal inside the chunk: (ctx + chunk) keys per query against
     ctx + chunk / 2 on average, a few percent more work)."""
-    fmt = fmt_for(d)
-    cache, table = make_cache(fmt, 1, ctx + chunk, hkv, gen)
-    q = torch.randn(chunk, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
-    k = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
-    v = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
-    tiles = query_tiles([(0, 0, chunk, ctx)], DEV)
-    out = torch.empty_like(q)
-    sweep = []
-    for launch in EXTEND_LAUNCHES:
-        ms = do_bench(lambda: extend_attention(q, k, v, cache, fmt, table, tiles, d ** -0.5, out, launch),
-                      warmup=5, rep=30)
-        sweep.append({"launch": launch, "ms": ms})
+    sweep = [{"launch": launch, "ms": ms}
+             for launch, ms in zip(EXTEND_LAUNCHES, time_extend(fmt_for(d), hq, hkv, ctx, chunk, gen, EXTEND_LAUNCHES))]
     best = min(sweep, key=lambda r: r["ms"])
-    del cache, table
+    q = torch.randn(chunk, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
     kk = torch.randn(1, hq, ctx + chunk, d, device=DEV, generator=gen).to(torch.bfloat16)
     vv = torch.randn(1, hq, ctx + chunk, d, device=DEV, generator=gen).to(torch.bfloat16)
     qq = q.transpose(0, 1).unsqueeze(0).contiguous()
@@ -207,6 +197,23 @@ def bench_extend(hq: int, hkv: int, d: int, ctx: int, chunk: int, gen) -> dict:
     return {"hq": hq, "hkv": hkv, "d": d, "context": ctx, "chunk": chunk, "sweep": sweep,
             "launch": best["launch"], "oscar_ms": best["ms"], "bf16_sdpa_ms": ms_bf16,
             "speedup": ms_bf16 / best["ms"]}
+
+
+def time_extend(fmt: OscarFormat, hq: int, hkv: int, ctx: int, chunk: int, gen, launches: list) -> list[float]:
+    """ms of one prefill chunk of ``chunk`` tokens after ``ctx`` tokens of
+    history, at each launch (None: the default)."""
+    d = fmt.head_size
+    cache, table = make_cache(fmt, 1, ctx + chunk, hkv, gen)
+    q = torch.randn(chunk, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
+    k = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
+    tiles = query_tiles([(0, 0, chunk, ctx)], DEV)
+    out = torch.empty_like(q)
+    times = [do_bench(lambda: extend_attention(q, k, v, cache, fmt, table, tiles, d ** -0.5, out, launch),
+                      warmup=5, rep=30) for launch in launches]
+    del cache, table
+    torch.cuda.empty_cache()
+    return times
 
 
 def gemm_ms(batch: int, shapes: list[tuple[int, int]], gen) -> float:
@@ -273,22 +280,53 @@ def time_decode(fmt: OscarFormat, hq: int, hkv: int, batch: int, ctx: int, sms: 
     return ms
 
 
+SPLIT_CASES = [(32, 100_000, [8, 12, 16, 17, 20, 24, 28, 32, 33, 40, 48, 64]), (32, 32768, [8, 16, 17, 24, 32, 33, 48]),
+               (8, 100_000, [33, 48, 64, 66, 80, 128]), (1, 100_000, [64, 128, 195, 256])]
+
+
+def bench_splits(sms: int, gen, launch: dict) -> list[dict]:
+    """Decode at 32/8/128 against the INT2 split count: whole waves of
+    resident programs against one program more (:func:`num_splits`)."""
+    fmt = fmt_for(128)
+    rows = []
+    for b, ctx, counts in SPLIT_CASES:
+        cache, table = make_cache(fmt, b, ctx, 8, gen)
+        q = torch.randn(b, 32, 128, device=DEV, generator=gen).to(torch.bfloat16)
+        seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        out = torch.empty_like(q)
+        for s in counts:
+            ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, 0.088, s, out, launch),
+                          warmup=10, rep=100)
+            rows.append({"batch": b, "context": ctx, "splits": s, "default": num_splits(b, 8, ctx, sms), "ms": ms,
+                         "gbps": oscar_bytes(fmt, b, ctx, 8, 32) / ms / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+        del cache, table
+        torch.cuda.empty_cache()
+    return rows
+
+
 # A hybrid model's attention blocks are sized by its state pages: vLLM gave 464 tokens to the dense
 # Qwen3.5-style hybrid of scripts/cuda_state_check.py, 400 to house-qwen3next.
 HYBRID_BLOCKS = [128, 464, 400]
 
 
 def bench_hybrid_blocks(sms: int, gen, launch: dict, batch: int = 32, ctx: int = 32768) -> list[dict]:
-    """Decode at 32/8/128 at blocks of HYBRID_BLOCKS: the default launch (a
-    partial last step a page where its step does not divide the block)
-    against 16-token steps, which divide every block here."""
+    """Decode and extend at 32/8/128 at blocks of HYBRID_BLOCKS: the default
+    launch (a partial last step a page where its step does not divide the
+    block) against 16-token steps, which divide every block here. Decode:
+    ``batch`` requests of ``ctx`` tokens; extend: one 512-token chunk after
+    ``ctx`` tokens."""
     rows = []
     for kb in HYBRID_BLOCKS:
         fmt = fmt_for(128, kb)
         nbytes = oscar_bytes(fmt, batch, ctx, 8, 32)
         for name, lc in (("default", launch), ("16-token steps", {**launch, "tile": 16})):
             ms = time_decode(fmt, 32, 8, batch, ctx, sms, gen, lc)
-            rows.append({"block_size": kb, "launch": name, "ms": ms, "gbps": nbytes / ms / 1e6})
+            rows.append({"op": "decode", "block_size": kb, "launch": name, "ms": ms, "gbps": nbytes / ms / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+        for name, ms in zip(("default", "16-token steps"),
+                            time_extend(fmt, 32, 8, ctx, 512, gen, [None, {"block_n": 16}])):
+            rows.append({"op": "extend", "block_size": kb, "launch": name, "ms": ms})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -323,7 +361,24 @@ def render(res: dict) -> str:
                   f" ({hb['date']}, read bandwidth {hb['read_bandwidth_gbps']:.0f} GB/s).", "",
                   "| block | launch | ms | GB/s (% of read bw) |", "|---|---|---|---|"]
         lines += [f"| {r['block_size']} | {r['launch']} | {r['ms']:.3f} | {r['gbps']:.0f}"
-                  f" ({100 * r['gbps'] / hb['read_bandwidth_gbps']:.0f}%) |" for r in hb["rows"]]
+                  f" ({100 * r['gbps'] / hb['read_bandwidth_gbps']:.0f}%) |"
+                  for r in hb["rows"] if r.get("op", "decode") == "decode"]
+        ext = [r for r in hb["rows"] if r.get("op") == "extend"]
+        if ext:
+            lines += ["", "Extend at the same blocks (one 512-token chunk after 32K tokens): INT2 history in the"
+                      " default 64-token tiles, a page's last one partial where 64 does not divide the block,"
+                      " against 16-token tiles.", "", "| block | launch | ms |", "|---|---|---|"]
+            lines += [f"| {r['block_size']} | {r['launch']} | {r['ms']:.3f} |" for r in ext]
+    if "splits" in res:
+        sp = res["splits"]
+        lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {sp['date']}, read bandwidth"
+                  f" {sp['read_bandwidth_gbps']:.0f} GB/s). An SM holds 8 one-warp programs at the default launch;"
+                  " the default count (`num_splits`, marked) puts at most 32 INT2 programs on an SM, four whole"
+                  " waves. The decode table above was measured with the earlier rule's 17 splits at batch 32.", "",
+                  "| batch | context | splits | ms | GB/s (% of read bw) |", "|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['context']:,} | {r['splits']}{' (default)' if r['splits'] == r['default'] else ''}"
+                  f" | {r['ms']:.3f} | {r['gbps']:.0f} ({100 * r['gbps'] / sp['read_bandwidth_gbps']:.0f}%) |"
+                  for r in sp["rows"]]
     s = res["store"]
     lines += [
         "",
@@ -484,7 +539,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one shape, B=32 only")
     ap.add_argument("--first-shape", action="store_true", help="only the first (Hq, Hkv, D), every batch")
     ap.add_argument("--render-only", metavar="JSON")
-    ap.add_argument("--sections", nargs="*", default=["decode", "hybrid_blocks", "store", "extend", "projection"],
+    ap.add_argument("--sections", nargs="*", default=["decode", "hybrid_blocks", "splits", "store", "extend", "projection"],
                     help="run these; the others are kept from benchmarks/results/oscar_kernels.json")
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
@@ -496,7 +551,7 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     saved = REPO / "benchmarks" / "results" / "oscar_kernels.json"
     res = json.loads(saved.read_text()) if saved.exists() and set(args.sections) != {
-        "decode", "hybrid_blocks", "store", "extend", "projection"} else {}
+        "decode", "hybrid_blocks", "splits", "store", "extend", "projection"} else {}
     bw = read_bandwidth() / 1e9
     print(f"read bandwidth {bw:.0f} GB/s", flush=True)
     if "decode" in args.sections or "read_bandwidth_gbps" not in res:  # the run the main tables' % refer to
@@ -526,6 +581,10 @@ def main() -> None:
     if "hybrid_blocks" in args.sections:
         res["hybrid_blocks"] = {"date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
                                 "rows": bench_hybrid_blocks(sms, gen, res["launch"]["32/8/128"])}
+        partial.write_text(json.dumps(res, indent=2))
+    if "splits" in args.sections:
+        res["splits"] = {"date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
+                         "rows": bench_splits(sms, gen, res["launch"]["32/8/128"])}
         partial.write_text(json.dumps(res, indent=2))
     if "store" in args.sections:
         res["store"] = bench_store(16384, 8, 128, gen)

@@ -6,8 +6,8 @@
 #   tests  the Triton kernel tests at serving shapes, compiled (~4 min);
 #   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
-#   bench-hybrid  only its decode at hybrid models' block sizes, the rest kept from the saved results (~1 min;
-#          not by default);
+#   bench-hybrid  only its decode and extend at hybrid models' block sizes and its decode against the split
+#          count, the rest kept from the saved results (~2 min; not by default);
 #   check  the CUDA check in real vLLM, scripts/cuda_check.py (~3 min);
 #   graphs OSCAR decode under full CUDA graphs against eager, scripts/cuda_graph_check.py (~5 min);
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
@@ -51,7 +51,7 @@ if [[ $steps == *" bench "* ]]; then
   timeout 300 python3 benchmarks/oscar_kernels.py 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
 fi
 if [[ $steps == *" bench-hybrid "* ]]; then
-  timeout 200 python3 benchmarks/oscar_kernels.py --sections hybrid_blocks 2>&1 | grep "block_size"
+  timeout 300 python3 benchmarks/oscar_kernels.py --sections hybrid_blocks splits 2>&1 | grep "block_size\|splits"
   echo "bench hybrid rc=$?"
 fi
 if [[ $steps == *" check "* ]]; then
