@@ -46,9 +46,9 @@ def default_launch(head_size: int) -> dict:
 
 
 def key_tile(block_n: int, head_size: int, block_size: int) -> int:
-    """The key tile a launch asking for ``block_n`` gets: at most the block
-    (a page's last tile is partial where the tile does not divide it) and at
-    most half the head size. Compiled by Triton 3.6 for the H200, 64-key tiles
+    """The key tile a launch asking for ``block_n`` gets: at most the largest
+    power of two within the block (a page's last tile is partial where the
+    tile does not divide the block) and at most half the head size. Compiled by Triton 3.6 for the H200, 64-key tiles
     at head size 64 give wrong outputs (64-token blocks) or fault (48-token
     blocks), while 32-key tiles there and 64-key tiles at head size 128 match
     the reference."""
