@@ -3,8 +3,9 @@
 * Decode attention: batch x context x (Hq, Hkv, D); split-KV INT2 decode
   (store excluded) against torch SDPA (flash) over BF16 K/V, with effective
   bandwidth over the bytes each really reads, and the device's read bandwidth
-  measured here; and at a hybrid model's block sizes (not multiples of the
-  step), the default launch against 16-token steps.
+  measured here; at a hybrid model's block sizes (not multiples of the
+  step), decode and extend at the default launch against 16-token steps; and
+  decode against the INT2 split count.
 * Write path: the fused store for a prefill-sized batch of tokens, against
   the bandwidth ceiling.
 * Extend (prefill chunk over INT2 + BF16 history) against torch SDPA (flash)
