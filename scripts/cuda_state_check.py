@@ -45,9 +45,12 @@ Each engine runs in its own process with its own time limit, in order of
 importance; a failed engine is reported (error and log tail; full log in
 ``$OUT/state_<step>_<name>.log``) and the others still run; jobs that would start
 past ``--budget-s`` are skipped. Results: ``$OUT/cuda_state_check.json``,
-rewritten after every engine.
+rewritten after every engine. The whole check takes longer than one 10-minute
+device call: with ``--keep DIR`` every finished engine's result is kept in DIR
+and taken from there by the next call on the same machine instead of run again
+(``from_earlier_call``), so consecutive calls complete it.
 
-    python scripts/cuda_state_check.py [check] [speed] [--only NAME ...] [--budget-s 540]
+    python scripts/cuda_state_check.py [check] [speed] [--only NAME ...] [--budget-s 540] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -235,6 +238,15 @@ def engine(job: dict) -> dict:
     return res
 
 
+def read_result(path: Path) -> dict:
+    """An engine's result from its JSON, the logprobs' token ids back to ints (JSON keys are strings:
+    left as strings, ``compare`` would find no token and report every difference as 0)."""
+    res = json.loads(path.read_text())
+    if "logprobs" in res:
+        res["logprobs"] = [[{int(t): lp for t, lp in step.items()} for step in seq] for seq in res["logprobs"]]
+    return res
+
+
 def run(name: str, job: dict) -> dict:
     """One engine in its own process; a failure or timeout comes back as ``error``."""
     path = OUT / f"state_{name}.json"
@@ -252,7 +264,7 @@ def run(name: str, job: dict) -> dict:
             rc = "timeout"
     took = time.time() - t
     if rc == 0 and path.exists():
-        res = json.loads(path.read_text())
+        res = read_result(path)
         path.unlink()
         res["engine_s"] = took
         return res
@@ -298,7 +310,7 @@ def summarize(report: dict, results: dict) -> None:
             if step != "check":
                 continue
             keys = ("decode_path", "triton_calls_per_layer", "triton_calls_in_job", "state_page_bytes", "engine_s",
-                    "refused", "error")
+                    "from_earlier_call", "refused", "error")
             entry = check[name] = {k: r[k] for k in keys if k in r}
             if "logprobs" in r:  # for reading the comparisons by eye
                 entry["first_prompt_first_steps"] = r["logprobs"][0][:3]
@@ -344,7 +356,7 @@ def summarize(report: dict, results: dict) -> None:
             if step != "speed":
                 continue
             keys = ("tok_s", "decode_tok_s", "wall_s", "prefill_wall_s", "decode_path", "state_page_bytes",
-                    "engine_s", "error")
+                    "engine_s", "from_earlier_call", "error")
             entry = speed[name] = {k: r[k] for k in keys if k in r}
             twin = results.get(("speed", name + "_staged"), {})
             for k in ("tok_s", "decode_tok_s"):
@@ -359,7 +371,11 @@ def main() -> None:
     ap.add_argument("steps", nargs="*", choices=["check", "speed"], help="default: both")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no engine past this many seconds")
     ap.add_argument("--only", nargs="*", help="run only these engines (JOBS names)")
+    ap.add_argument("--keep", type=Path, help="keep finished engines' results here; reuse those already here")
     args = ap.parse_args()
+    keep = args.keep
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
     steps = args.steps or ["check", "speed"]
     OUT.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -379,26 +395,17 @@ def main() -> None:
         if step not in steps or (args.only and name not in args.only):
             continue
         base = CHECK if step == "check" else SPEED
+        kept = keep / f"{step}_{name}.json" if keep else None
         left = args.budget_s - (time.time() - start)
-        if left < 90:
+        if kept and kept.exists():
+            r = results[(step, name)] = {**read_result(kept), "from_earlier_call": True}
+        elif left < 90:
             results[(step, name)] = {"error": f"skipped ({left:.0f} s of the time budget left)"}
             continue
-        try:
-            if base["model"] not in models:
-                models[base["model"]] = (model_dir(SMALL, "kvq_gdn_small_long_memory", weights=True)
-                                         if base["model"] == "small" else model_dir(LARGE, "kvq_gdn_large"))
-            if kvq and kvq.get("state_artifact") == "PLAN":
-                if "plan" not in models:
-                    models["plan"] = synthetic_plan(SMALL, Path("/tmp") / "kvq_gdn_small_plan")
-                kvq = {**kvq, "state_artifact": models["plan"]}
-        except Exception as e:  # noqa: BLE001 - reported, the other engines still run
-            results[(step, name)] = {"error": f"setup failed: {e!r}"}
-            print(step, name, results[(step, name)]["error"], flush=True)
-            continue
-        graphs = "default" if name.endswith("_default_graphs") else name.endswith("_graphs")
-        job = {**base, "model": models[base["model"]], "kvq": kvq, "graphs": graphs,
-               "timeout": min(base["timeout"], int(left) - 10)}
-        r = results[(step, name)] = run(f"{step}_{name}", job)
+        else:
+            r = results[(step, name)] = run_job(step, name, base, kvq, int(left), models)
+            if kept and "error" not in r:
+                kept.write_text(json.dumps(r))
         shown = {k: v for k, v in r.items() if k not in ("tokens", "logprobs", "log_tail")}
         print(step, name, json.dumps(shown), flush=True)
         if "log_tail" in r:
@@ -408,6 +415,24 @@ def main() -> None:
     summarize(report, results)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print("problems:", report["problems"] or "none", flush=True)
+
+
+def run_job(step: str, name: str, base: dict, kvq: dict | None, left: int, models: dict) -> dict:
+    """Set up the job's model (and plan) once per call, then run its engine in its own process."""
+    try:
+        if base["model"] not in models:
+            models[base["model"]] = (model_dir(SMALL, "kvq_gdn_small_long_memory", weights=True)
+                                     if base["model"] == "small" else model_dir(LARGE, "kvq_gdn_large"))
+        if kvq and kvq.get("state_artifact") == "PLAN":
+            if "plan" not in models:
+                models["plan"] = synthetic_plan(SMALL, Path("/tmp") / "kvq_gdn_small_plan")
+            kvq = {**kvq, "state_artifact": models["plan"]}
+    except Exception as e:  # noqa: BLE001 - reported, the other engines still run
+        return {"error": f"setup failed: {e!r}"}
+    graphs = "default" if name.endswith("_default_graphs") else name.endswith("_graphs")
+    job = {**base, "model": models[base["model"]], "kvq": kvq, "graphs": graphs,
+           "timeout": min(base["timeout"], left - 10)}
+    return run(f"{step}_{name}", job)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,10 @@
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
 #   e2e-graphs  the same job with full CUDA graphs for decodes in both engines (~8 min; not by default);
 #   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (<= 9 min: it stops
-#          starting engines after 520 s; Triton decode vs staged vs FP32 states);
+#          starting engines after 520 s; Triton decode vs staged vs FP32 states). The whole check
+#          takes two calls: each finished engine is kept in $KEEP on the machine, and the
+#          next call there (state, state-graphs, state-oscar) takes it from there instead of
+#          running it again; a fresh machine starts with none, rm -rf $KEEP to rerun on a warm one;
 #   state-e2e  serving with the packed pools against FP32 states at one cache budget (each pool 260 s:
 #          the first engine on a cold machine compiles vLLM's kernels, ~200 s),
 #          benchmarks/stepquant_vllm_e2e.py (~8 min; not by default);
@@ -30,6 +33,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_out}
 mkdir -p "$OUT"
 steps=" ${*:-tests statetests bench check graphs e2e state fp8 calib} "
+KEEP=/tmp/kvq_state_keep  # the state check's finished engines, for the next call on this machine
 # inputs the steps read from the working tree: stop before any engine starts if one is missing
 need() { [[ -e $2 ]] || { echo "step $1 needs $2 ($3)"; exit 2; }; }
 for s in check graphs calib; do
@@ -71,7 +75,7 @@ if [[ $steps == *" e2e-graphs "* ]]; then
     --cuda-graphs --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e graphs rc=$?"
 fi
 if [[ $steps == *" state "* ]]; then
-  timeout 570 python3 scripts/cuda_state_check.py --budget-s 520 > "$OUT/cuda_state_check.log" 2>&1
+  timeout 570 python3 scripts/cuda_state_check.py --budget-s 520 --keep $KEEP > "$OUT/cuda_state_check.log" 2>&1
   echo "state check rc=$?"; tail -60 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
@@ -80,13 +84,13 @@ if [[ $steps == *" state-e2e "* ]]; then
     --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12; echo "state e2e rc=$?"
 fi
 if [[ $steps == *" state-graphs "* ]]; then
-  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
+  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 --keep $KEEP \
     --only stepquant_mixed stepquant_mixed_graphs uniform_int6_default_graphs > "$OUT/cuda_state_check.log" 2>&1
   echo "state graphs rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
 if [[ $steps == *" state-oscar "* ]]; then
-  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 \
+  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 --keep $KEEP \
     --only stepquant_mixed oscar_stepquant_mixed oscar_stepquant_mixed_graphs \
     oscar_stepquant_mixed_staged > "$OUT/cuda_state_check.log" 2>&1
   echo "state oscar rc=$?"; tail -40 "$OUT/cuda_state_check.log"
