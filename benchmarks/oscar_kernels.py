@@ -1,11 +1,12 @@
 """OSCAR Triton kernels on a GPU, against BF16 baselines timed in the same run.
 
 * Decode attention: batch x context x (Hq, Hkv, D); split-KV INT2 decode
-  (store excluded) against torch SDPA (flash) over BF16 K/V, with effective
-  bandwidth over the bytes each really reads, and the device's read bandwidth
-  measured here; at a hybrid model's block sizes (not multiples of the
-  step), decode and extend at the default launch against 16-token steps; and
-  decode against the INT2 split count.
+  at the kernel's default launch (what serving runs; store excluded) against
+  torch SDPA (flash) over BF16 K/V, with effective bandwidth over the bytes
+  each really reads, and the device's read bandwidth measured here; other
+  launches beside the default; at a hybrid model's block sizes (not
+  multiples of the step), decode and extend at the default launch against
+  16-token steps; and decode against the INT2 split count.
 * Write path: the fused store for a prefill-sized batch of tokens, against
   the bandwidth ceiling.
 * Extend (prefill chunk over INT2 + BF16 history) against torch SDPA (flash)
@@ -35,7 +36,7 @@ from triton.testing import do_bench
 
 from vllm_kvq.kernels.oscar import reference as ref
 from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.oscar.triton_decode import decode_attention, num_splits
+from vllm_kvq.kernels.oscar.triton_decode import decode_attention, default_launch, num_splits
 from vllm_kvq.kernels.oscar.triton_extend import extend_attention, query_tiles
 from vllm_kvq.kernels.oscar.triton_store import store_tokens
 
@@ -86,36 +87,31 @@ LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
 STORE_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in ((16, 4), (16, 2), (32, 4), (32, 8))]
 
 
-def sweep_launch(hq: int, sms: int, gen) -> tuple[dict, list]:
-    """Pick num_warps/num_stages/tile for ``hq`` query heads over 8 KV heads
-    by the summed time of a long-context large-batch and a single-request
-    decode."""
+def sweep_launch(hq: int, sms: int, gen) -> list[dict]:
+    """Decode at each launch of LAUNCHES for ``hq`` query heads over 8 KV
+    heads, batch 32 and batch 1 at 100K tokens: how the kernel's default
+    launch stands among the others in the same run (it does not pick the
+    tables' launch: a single request's time moves by 2x between runs)."""
     fmt = fmt_for(128)
     rows = []
-    cases = [(32, 100_000), (1, 100_000)]
-    caches = [(b, ctx, *make_cache(fmt, b, ctx, 8, gen)) for b, ctx in cases]
-    for launch in LAUNCHES:
-        total = 0.0
-        for b, ctx, cache, table in caches:
-            q = torch.randn(b, hq, 128, device=DEV, generator=gen).to(torch.bfloat16)
-            seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
-            out = torch.empty_like(q)
-            splits = num_splits(b, 8, ctx, sms)
+    for b, ctx in [(32, 100_000), (1, 100_000)]:
+        cache, table = make_cache(fmt, b, ctx, 8, gen)
+        q = torch.randn(b, hq, 128, device=DEV, generator=gen).to(torch.bfloat16)
+        seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+        out = torch.empty_like(q)
+        splits = num_splits(b, 8, ctx, sms)
+        for launch in LAUNCHES:
             ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, 0.088, splits, out, launch),
-                          warmup=5, rep=30)
+                          warmup=10, rep=100)
             rows.append({**launch, "hq": hq, "batch": b, "context": ctx, "ms": ms})
-            total += ms
-        rows[-1]["total_ms"] = total
-    best = min(LAUNCHES, key=lambda lc: sum(r["ms"] for r in rows
-                                            if all(r[key] == val for key, val in lc.items())))
-    del caches
-    torch.cuda.empty_cache()
-    return best, rows
+        del cache, table
+        torch.cuda.empty_cache()
+    return rows
 
 
-def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen, launch=None) -> dict:
+def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen) -> dict:
     fmt = fmt_for(d)
-    ms_oscar = time_decode(fmt, hq, hkv, batch, ctx, sms, gen, launch)
+    ms_oscar = time_decode(fmt, hq, hkv, batch, ctx, sms, gen)
     splits = num_splits(batch, hkv, ctx, sms, fmt.block_size)
     nbytes = oscar_bytes(fmt, batch, ctx, hkv, hq)
     q = torch.randn(batch, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
@@ -227,7 +223,7 @@ def gemm_ms(batch: int, shapes: list[tuple[int, int]], gen) -> float:
     return total
 
 
-def project_qwen3_4b(sms: int, gen, launch) -> dict:
+def project_qwen3_4b(sms: int, gen) -> dict:
     """Decode tokens/s of Qwen3-4B at 100K context on one H200, BF16 vs OSCAR."""
     layers, hidden, hq, hkv, d, inter, vocab = 36, 2560, 32, 8, 128, 9728, 151936
     ctx = 100_000
@@ -241,10 +237,10 @@ def project_qwen3_4b(sms: int, gen, launch) -> dict:
     res = {"context": ctx, "batch": batches, "bytes_per_request": {"bf16": bf16_req, "oscar": oscar_req}}
     for name, b in batches.items():
         if name == "bf16":
-            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen, launch)["bf16_sdpa_ms"]
+            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["bf16_sdpa_ms"]
             store = 0.0
         else:
-            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen, launch)["oscar_ms"]
+            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["oscar_ms"]
             store = bench_store_decode(b, hkv, d, gen)
         lin = gemm_ms(b, shapes, gen)
         head = gemm_ms(b, [(hidden, vocab)], gen)
@@ -285,7 +281,7 @@ SPLIT_CASES = [(32, 100_000, [8, 12, 16, 17, 20, 24, 28, 32, 33, 40, 48, 64]), (
                (8, 100_000, [33, 48, 64, 66, 80, 128]), (1, 100_000, [64, 128, 195, 256])]
 
 
-def bench_splits(sms: int, gen, launch: dict) -> list[dict]:
+def bench_splits(sms: int, gen) -> list[dict]:
     """Decode at 32/8/128 against the INT2 split count: whole waves of
     resident programs against one program more (:func:`num_splits`)."""
     fmt = fmt_for(128)
@@ -296,7 +292,7 @@ def bench_splits(sms: int, gen, launch: dict) -> list[dict]:
         seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
         out = torch.empty_like(q)
         for s in counts:
-            ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, 0.088, s, out, launch),
+            ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, 0.088, s, out),
                           warmup=10, rep=100)
             rows.append({"batch": b, "context": ctx, "splits": s, "default": num_splits(b, 8, ctx, sms), "ms": ms,
                          "gbps": oscar_bytes(fmt, b, ctx, 8, 32) / ms / 1e6})
@@ -311,7 +307,7 @@ def bench_splits(sms: int, gen, launch: dict) -> list[dict]:
 HYBRID_BLOCKS = [128, 464, 400]
 
 
-def bench_hybrid_blocks(sms: int, gen, launch: dict, batch: int = 32, ctx: int = 32768) -> list[dict]:
+def bench_hybrid_blocks(sms: int, gen, batch: int = 32, ctx: int = 32768) -> list[dict]:
     """Decode and extend at 32/8/128 at blocks of HYBRID_BLOCKS: the default
     launch (a partial last step a page where its step does not divide the
     block) against 16-token steps, which divide every block here. Decode:
@@ -321,7 +317,7 @@ def bench_hybrid_blocks(sms: int, gen, launch: dict, batch: int = 32, ctx: int =
     for kb in HYBRID_BLOCKS:
         fmt = fmt_for(128, kb)
         nbytes = oscar_bytes(fmt, batch, ctx, 8, 32)
-        for name, lc in (("default", launch), ("16-token steps", {**launch, "tile": 16})):
+        for name, lc in (("default", None), ("16-token steps", {"tile": 16})):
             ms = time_decode(fmt, 32, 8, batch, ctx, sms, gen, lc)
             rows.append({"op": "decode", "block_size": kb, "launch": name, "ms": ms, "gbps": nbytes / ms / 1e6})
             print(json.dumps(rows[-1]), flush=True)
@@ -330,6 +326,27 @@ def bench_hybrid_blocks(sms: int, gen, launch: dict, batch: int = 32, ctx: int =
             rows.append({"op": "extend", "block_size": kb, "launch": name, "ms": ms})
             print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def launch_text() -> str:
+    return "; ".join(f"{hq}/{hkv}/{d}: {default_launch(hq // hkv, d)}" for hq, hkv, d in SHAPES)
+
+
+def launch_sweep_lines(res: dict) -> list[str]:
+    """The default launch among the others, timed in the decode table's run."""
+    rows = res.get("launch_sweep", [])
+    if not rows or "tile" not in rows[0]:
+        return []
+    lines = ["", "Other launches in the same run (100K tokens; `*` the default, which the table above uses):", "",
+             "| Hq | warps/stages/tile | batch 32 ms | batch 1 ms |", "|---|---|---|---|"]
+    for hq in sorted({r["hq"] for r in rows}):
+        default = default_launch(hq // 8, 128)
+        for lc in LAUNCHES:
+            ms = {r["batch"]: r["ms"] for r in rows if r["hq"] == hq and all(r[k] == v for k, v in lc.items())}
+            mark = " *" if all(default[k] == v for k, v in lc.items()) else ""
+            lines.append(f"| {hq} | {lc['num_warps']}/{lc['num_stages']}/{lc['tile']}{mark} |"
+                         f" {ms.get(32, float('nan')):.3f} | {ms.get(1, float('nan')):.3f} |")
+    return lines
 
 
 def render(res: dict) -> str:
@@ -343,8 +360,10 @@ def render(res: dict) -> str:
         "## Decode attention (one query token per request, per layer)",
         "",
         f"OSCAR: split-KV INT2 decode + BF16 sink/window + LSE merge (default format: G=128, KB=128,"
-        f" S0=64, W=256; launch per Hq/Hkv/D {res['launch']}, the best of a sweep in the same run). BF16: torch SDPA (flash) over dense BF16 K/V, the query heads of a KV head as its"
-        " queries. Bandwidth = bytes each really reads / time.",
+        f" S0=64, W=256) at the kernel's default launch per Hq/Hkv/D ({launch_text()}), what serving"
+        " runs. BF16: torch SDPA (flash) over dense BF16 K/V, the query heads of a KV head as its"
+        " queries. Bandwidth = bytes each really reads / time. Rows of a few tens of microseconds (batch 1"
+        " and 8) move by up to 2x between runs.",
         "",
         "| Hq/Hkv/D | batch | context | OSCAR ms | OSCAR GB/s (% of read bw) | BF16 SDPA ms | BF16 GB/s | speed-up |",
         "|---|---|---|---|---|---|---|---|",
@@ -354,6 +373,7 @@ def render(res: dict) -> str:
             f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | {r['oscar_ms']:.3f} | "
             f"{r['oscar_gbps']:.0f} ({100 * r['oscar_gbps'] / bw:.0f}%) | {r['bf16_sdpa_ms']:.3f} | "
             f"{r['bf16_gbps']:.0f} | {r['speedup']:.2f}x |")
+    lines += launch_sweep_lines(res)
     if "hybrid_blocks" in res:
         hb = res["hybrid_blocks"]
         lines += ["", f"Decode at a hybrid model's block sizes (32/8/128, batch 32, 32K tokens; vLLM sizes a hybrid's"
@@ -375,7 +395,7 @@ def render(res: dict) -> str:
         lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {sp['date']}, read bandwidth"
                   f" {sp['read_bandwidth_gbps']:.0f} GB/s). An SM holds 8 one-warp programs at the default launch;"
                   " the default count (`num_splits`, marked) puts at most 32 INT2 programs on an SM, four whole"
-                  " waves. The decode table above was measured with the earlier rule's 17 splits at batch 32.", "",
+                  " waves.", "",
                   "| batch | context | splits | ms | GB/s (% of read bw) |", "|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['context']:,} | {r['splits']}{' (default)' if r['splits'] == r['default'] else ''}"
                   f" | {r['ms']:.3f} | {r['gbps']:.0f} ({100 * r['gbps'] / sp['read_bandwidth_gbps']:.0f}%) |"
@@ -387,13 +407,15 @@ def render(res: dict) -> str:
         "",
         f"Fused store of {s['tokens']:,} new tokens x {s['hkv']} KV heads (one prefill chunk): read K/V BF16,"
         " write INT2 pages (+ BF16 sink/window rows)"
-        + (f"; launch {s['launch']}, the best of a sweep in the same run." if "launch" in s else "."),
+        + (f"; launch {s['launch']}, the best of a sweep in the same run" if "launch" in s else "")
+        + f" ({s['date']}, read bandwidth {s['read_bandwidth_gbps']:.0f} GB/s).",
         "",
         "| kernel | ms | GB/s (% of read bw) |",
         "|---|---|---|",
     ]
     for name in ("store_rotated", "store_unrotated", "bf16_cache_copy"):
-        lines.append(f"| {name} | {s[name]['ms']:.3f} | {s[name]['gbps']:.0f} ({100 * s[name]['gbps'] / bw:.0f}%) |")
+        lines.append(f"| {name} | {s[name]['ms']:.3f} | {s[name]['gbps']:.0f}"
+                     f" ({100 * s[name]['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
     if "extend" in res:
         lines += [
             "",
@@ -560,35 +582,29 @@ def main() -> None:
                     "torch": torch.__version__, "triton": triton.__version__, "sms": sms, "read_bandwidth_gbps": bw})
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "oscar_kernels.partial.json"
-    if args.sections and "launch" not in res and not {"decode", "projection"} & set(args.sections):
-        raise SystemExit("no saved launch in benchmarks/results/oscar_kernels.json: run the decode section too")
-    if {"decode", "projection"} & set(args.sections):
-        res["launch"], res["launch_sweep"] = {}, []
-        for hq, hkv, d in SHAPES:
-            best, sweep = sweep_launch(hq, sms, gen)
-            res["launch"][f"{hq}/{hkv}/{d}"] = best
-            res["launch_sweep"] += sweep
-            print("launch", hq, best, sweep, flush=True)
     if "decode" in args.sections:
+        res.pop("launch", None)
+        res["launch_sweep"] = [r for hq, _, _ in SHAPES for r in sweep_launch(hq, sms, gen)]
+        print("launches", res["launch_sweep"], flush=True)
         res["decode"] = []
         shapes = SHAPES[:1] if args.quick or args.first_shape else SHAPES
         for hq, hkv, d in shapes:
             for b in ([32] if args.quick else BATCHES):
                 for ctx in CONTEXTS:
-                    r = bench_decode(hq, hkv, d, b, ctx, sms, gen, res["launch"][f"{hq}/{hkv}/{d}"])
+                    r = bench_decode(hq, hkv, d, b, ctx, sms, gen)
                     res["decode"].append(r)
                     print(json.dumps(r), flush=True)
                     partial.write_text(json.dumps(res, indent=2))
     if "hybrid_blocks" in args.sections:
         res["hybrid_blocks"] = {"date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
-                                "rows": bench_hybrid_blocks(sms, gen, res["launch"]["32/8/128"])}
+                                "rows": bench_hybrid_blocks(sms, gen)}
         partial.write_text(json.dumps(res, indent=2))
     if "splits" in args.sections:
         res["splits"] = {"date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
-                         "rows": bench_splits(sms, gen, res["launch"]["32/8/128"])}
+                         "rows": bench_splits(sms, gen)}
         partial.write_text(json.dumps(res, indent=2))
     if "store" in args.sections:
-        res["store"] = bench_store(16384, 8, 128, gen)
+        res["store"] = {**bench_store(16384, 8, 128, gen), "date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw}
         print(json.dumps(res["store"]), flush=True)
         partial.write_text(json.dumps(res, indent=2))
     if "extend" in args.sections:
@@ -596,7 +612,7 @@ def main() -> None:
         print(json.dumps(res["extend"]), flush=True)
         partial.write_text(json.dumps(res, indent=2))
     if "projection" in args.sections:
-        res["projection"] = project_qwen3_4b(sms, gen, res["launch"]["32/8/128"])
+        res["projection"] = project_qwen3_4b(sms, gen)
         print(json.dumps(res["projection"]), flush=True)
     (out_dir / "oscar_kernels.json").write_text(json.dumps(res, indent=2))
     (out_dir / "kernels.md").write_text(render(res))
