@@ -11,9 +11,8 @@ instructions of each loop body (one trip).
 
     python benchmarks/kernel_sass.py [--kernels rows fit decode store] [--bits 6 4] [--json PATH]
 
-The counts depend on the Triton version: the GPU machine runs Triton 3.6
-(``pip install triton==3.6.0`` into a separate environment and run this
-script with it for its numbers).
+The counts depend on the Triton version: the test extra pins the GPU
+machine's (3.6).
 """
 
 from __future__ import annotations

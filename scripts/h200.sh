@@ -13,8 +13,8 @@
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
 #   e2e-graphs  the same job with full CUDA graphs for decodes in both engines (~8 min; not by default);
 #   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (<= 9 min: it stops
-#          starting engines after 520 s; Triton decode vs staged vs FP32 states). The whole check
-#          takes two calls: each finished engine is kept in $KEEP on the machine, and the
+#          starting engines after 520 s; Triton decode vs staged vs FP32 states). On a cold machine
+#          the whole check takes two calls: each finished engine is kept in $KEEP on the machine, and the
 #          next call there (state, state-graphs, state-oscar) takes it from there instead of
 #          running it again; a fresh machine starts with none, rm -rf $KEEP to rerun on a warm one;
 #   state-e2e  serving with the packed pools against FP32 states at one cache budget (each pool 260 s:
