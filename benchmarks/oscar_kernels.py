@@ -76,6 +76,15 @@ def make_cache(fmt: OscarFormat, batch: int, ctx: int, hkv: int, gen: torch.Gene
     return cache, table
 
 
+def decode_inputs(fmt: OscarFormat, batch: int, ctx: int, hq: int, hkv: int, gen) -> tuple:
+    """(cache, block table, queries, sequence lengths, output) of one decode
+    step of ``batch`` requests of ``ctx`` tokens."""
+    cache, table = make_cache(fmt, batch, ctx, hkv, gen)
+    q = torch.randn(batch, hq, fmt.head_size, device=DEV, generator=gen).to(torch.bfloat16)
+    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
+    return cache, table, q, seq, torch.empty_like(q)
+
+
 def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> int:
     int2 = max(ctx - fmt.sink - fmt.window, 0) * fmt.bytes_per_token
     bf16 = min(ctx, fmt.sink + fmt.window) * fmt.state_row_bytes
@@ -95,10 +104,7 @@ def sweep_launch(hq: int, sms: int, gen) -> list[dict]:
     fmt = fmt_for(128)
     rows = []
     for b, ctx in [(32, 100_000), (1, 100_000)]:
-        cache, table = make_cache(fmt, b, ctx, 8, gen)
-        q = torch.randn(b, hq, 128, device=DEV, generator=gen).to(torch.bfloat16)
-        seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
-        out = torch.empty_like(q)
+        cache, table, q, seq, out = decode_inputs(fmt, b, ctx, hq, 8, gen)
         splits = num_splits(b, 8, ctx, sms)
         for launch in LAUNCHES:
             ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, 0.088, splits, out, launch),
@@ -265,10 +271,7 @@ def bench_store_decode(batch: int, hkv: int, d: int, gen) -> float:
 
 def time_decode(fmt: OscarFormat, hq: int, hkv: int, batch: int, ctx: int, sms: int, gen, launch=None) -> float:
     """ms of one decode step of ``batch`` requests of ``ctx`` tokens."""
-    cache, table = make_cache(fmt, batch, ctx, hkv, gen)
-    q = torch.randn(batch, hq, fmt.head_size, device=DEV, generator=gen).to(torch.bfloat16)
-    seq = torch.full((batch,), ctx, dtype=torch.int32, device=DEV)
-    out = torch.empty_like(q)
+    cache, table, q, seq, out = decode_inputs(fmt, batch, ctx, hq, hkv, gen)
     splits = num_splits(batch, hkv, ctx, sms, fmt.block_size)
     ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, fmt.head_size ** -0.5, splits, out, launch),
                   warmup=10, rep=100)
@@ -287,10 +290,7 @@ def bench_splits(sms: int, gen) -> list[dict]:
     fmt = fmt_for(128)
     rows = []
     for b, ctx, counts in SPLIT_CASES:
-        cache, table = make_cache(fmt, b, ctx, 8, gen)
-        q = torch.randn(b, 32, 128, device=DEV, generator=gen).to(torch.bfloat16)
-        seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
-        out = torch.empty_like(q)
+        cache, table, q, seq, out = decode_inputs(fmt, b, ctx, 32, 8, gen)
         for s in counts:
             ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, 0.088, s, out),
                           warmup=10, rep=100)
@@ -335,7 +335,7 @@ def launch_text() -> str:
 def launch_sweep_lines(res: dict) -> list[str]:
     """The default launch among the others, timed in the decode table's run."""
     rows = res.get("launch_sweep", [])
-    if not rows or "tile" not in rows[0]:
+    if not rows:
         return []
     lines = ["", "Other launches in the same run (100K tokens; `*` the default, which the table above uses):", "",
              "| Hq | warps/stages/tile | batch 32 ms | batch 1 ms |", "|---|---|---|---|"]
@@ -583,7 +583,6 @@ def main() -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     partial = out_dir / "oscar_kernels.partial.json"
     if "decode" in args.sections:
-        res.pop("launch", None)
         res["launch_sweep"] = [r for hq, _, _ in SHAPES for r in sweep_launch(hq, sms, gen)]
         print("launches", res["launch_sweep"], flush=True)
         res["decode"] = []
