@@ -98,6 +98,15 @@ def _page_base(row, page, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.conste
 
 
 @triton.jit
+def page_step(step, KB: tl.constexpr, STEP: tl.constexpr):
+    """(page, first row in the page) of INT2 step ``step``: steps of STEP
+    rows run page by page, a page's last one partial where STEP does not
+    divide KB. Decode and extend both walk pages this way."""
+    SUB: tl.constexpr = (KB + STEP - 1) // STEP  # steps per page
+    return step // SUB, (step % SUB) * STEP
+
+
+@triton.jit
 def _load_scales(cache_f16, base, t, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
                  PARTIAL: tl.constexpr = False):
     """fp16 (scale, min) of rows ``t`` of a page, K and V, as ``[len(t), 2 NG]``;
@@ -195,12 +204,13 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
         # a step's addresses come from the loop index alone, so Triton keeps
         # several steps' code and scale copies in flight (num_stages)
-        pbase = _page_base(row, step // SUB, H, h, D, NG, KB, STATE_BLOCKS)
-        r = (step % SUB) * TILE + t  # rows in the page
+        page, r0 = page_step(step, KB, TILE)
+        pbase = _page_base(row, page, H, h, D, NG, KB, STATE_BLOCKS)
+        r = r0 + t  # rows in the page
         ksm, vsm = _load_scales(cache_f16, pbase, r, D, NG, KB, PARTIAL)
-        k_at = cache_u8 + pbase + (step % SUB) * (TILE * D4) + code_off
-        v_at = cache_u8 + pbase + KB * D4 + (step % SUB) * TILE + vcode_off
-        pos = (step // SUB) * KB + r
+        k_at = cache_u8 + pbase + r0 * D4 + code_off
+        v_at = cache_u8 + pbase + KB * D4 + r0 + vcode_off
+        pos = page * KB + r
         ok = (pos >= lo) & (pos < hi)
         if PARTIAL:
             inside = r < KB

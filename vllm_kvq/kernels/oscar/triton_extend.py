@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.oscar.triton_decode import _page_base, softmax_step
+from vllm_kvq.kernels.oscar.triton_decode import _page_base, page_step, softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query tokens per tile
@@ -134,9 +134,9 @@ def _steps_before(p, KB: tl.constexpr, BLOCK_N: tl.constexpr):
 @triton.jit
 def _step_rows(step, KB: tl.constexpr, BLOCK_N: tl.constexpr):
     """(first position, positions, inside its page) of an INT2 step's rows."""
-    SUB: tl.constexpr = (KB + BLOCK_N - 1) // BLOCK_N
-    r = (step % SUB) * BLOCK_N + tl.arange(0, BLOCK_N)  # rows in the page
-    n0 = (step // SUB) * KB + (step % SUB) * BLOCK_N
+    page, r0 = page_step(step, KB, BLOCK_N)
+    r = r0 + tl.arange(0, BLOCK_N)  # rows in the page
+    n0 = page * KB + r0
     if KB % BLOCK_N == 0:
         inside = tl.full([BLOCK_N], True, tl.int1)
     else:
