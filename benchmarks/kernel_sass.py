@@ -42,7 +42,7 @@ POINTERS = {
     "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
     "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
     "rold_ptr": "*fp32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16",
-    "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*fp32", "k_out_ptr": "*bf16",
+    "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*bf16", "k_out_ptr": "*bf16",
     "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32",
 }
 FLOATS = {"q_scale"}
@@ -109,16 +109,18 @@ def decode_job() -> tuple:
 
 
 def store_jobs() -> list[tuple]:
-    """The write path at a prefill chunk's launch, with and without the K
-    rotation (no loop: the clip search and the rotation are unrolled)."""
+    """The write path at its default launch, with and without the K rotation
+    (its loop is one round of the clip search: 7 a row in the usual case, after
+    the round that checks the octave below the row's maximum)."""
     lc = triton_store.default_launch(128)
+    rows = 32 * lc["num_warps"] // lc["tpr"]
     jobs = []
     for rotate in (True, False):
         const = dict(H=8, D=128, G=128, KB=128, SINK=64, WINDOW=256, RING=256, STATE_BLOCKS=18, ROWS=18,
-                     ROTATE=rotate, DATA=True, STATE=True, BLOCK_T=lc["block_t"], ROT_PRECISION="tf32x3",
+                     ROTATE=rotate, ROT_PARTS=3, DATA=True, STATE=True, T=rows, TPR=lc["tpr"], ASM=True,
                      DECODE=False, SLOTS=False)
         jobs.append((f"oscar store ({'rotated' if rotate else 'unrotated'} K)", triton_store._store_kernel, const,
-                     lc["num_warps"], 2 * lc["block_t"] * 128 // (32 * lc["num_warps"])))
+                     lc["num_warps"], 2 * 128 // lc["tpr"]))
     return jobs
 
 
@@ -143,6 +145,9 @@ def main() -> None:
         if r["loops"]:  # per trip: one row block (rows kernel: pass 1, then pass 2), one TILE slice (decode)
             work = "; ".join(f"loop of {lp['instructions']} ({lp['instructions'] / per_thread:.1f} an element)"
                              for lp in r["loops"])
+            if name.startswith("oscar store"):  # straight-line code plus 6 more clip rounds
+                typical = r["sass"] + 6 * r["loops"][0]["instructions"]
+                work += f"; {typical / per_thread:.1f} an element with 7 clip rounds"
         else:
             work = f"{r['sass'] / per_thread:.0f} an element"
         print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled, {r['sass']} SASS; {work};"

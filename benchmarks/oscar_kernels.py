@@ -32,13 +32,14 @@ from pathlib import Path
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from vllm_kvq.kernels.oscar import reference as ref
 from vllm_kvq.kernels.oscar.format import OscarFormat
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention, default_launch, num_splits
 from vllm_kvq.kernels.oscar.triton_extend import extend_attention, query_tiles
-from vllm_kvq.kernels.oscar.triton_store import store_tokens
+from vllm_kvq.kernels.oscar.triton_store import default_launch as default_store_launch
+from vllm_kvq.kernels.oscar.triton_store import rotation_parts, store_decode_tokens, store_tokens
 
 REPO = Path(__file__).resolve().parents[1]
 DEV = "cuda"
@@ -93,7 +94,7 @@ def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> in
 
 LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
             for w, st, t in ((1, 6, 64), (1, 4, 64), (1, 8, 64), (1, 6, 128), (1, 4, 32), (2, 6, 128))]
-STORE_LAUNCHES = [{"block_t": t, "num_warps": w} for t, w in ((16, 4), (16, 2), (32, 4), (32, 8))]
+STORE_LAUNCHES = [{"num_warps": w, "tpr": t} for w, t in ((4, 4), (8, 4), (2, 4), (4, 2), (4, 8), (8, 8))]
 
 
 def sweep_launch(hq: int, sms: int, gen) -> list[dict]:
@@ -140,20 +141,20 @@ def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen)
 
 
 def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
-    """The fused store of ``tokens`` new tokens of one request (a prefill chunk),
-    at each launch of STORE_LAUNCHES; the best (rotated + unrotated) is reported."""
+    """The fused store of ``tokens`` new tokens of one request (a prefill chunk)
+    at the kernel's default launch (what serving runs), rotated and unrotated,
+    with the other launches of STORE_LAUNCHES beside it."""
     fmt = fmt_for(d)
     cache, table = make_cache(fmt, 1, tokens, hkv, gen)
     k = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
-    rot = torch.linalg.qr(torch.randn(hkv, d, d, device=DEV, generator=gen))[0].contiguous()
+    rot = rotation_parts(torch.linalg.qr(torch.randn(hkv, d, d, device=DEV, generator=gen))[0])
     pos = torch.arange(tokens, dtype=torch.int32, device=DEV)
     req = torch.zeros(tokens, dtype=torch.int32, device=DEV)
     end = torch.full((tokens,), tokens, dtype=torch.int32, device=DEV)
-    res = {"tokens": tokens, "hkv": hkv, "d": d, "sweep": []}
-    best = None
-    for launch in STORE_LAUNCHES:
-        row = {"launch": launch}
+    res = {"tokens": tokens, "hkv": hkv, "d": d, "launch": default_store_launch(d), "sweep": []}
+    for launch in [None] + STORE_LAUNCHES:
+        row = {"launch": launch or res["launch"], "default": launch is None}
         for name, r in (("store_rotated", rot), ("store_unrotated", None)):
             ms = do_bench(lambda: store_tokens(cache, fmt, k, v, r, pos, req, end, table, 0.96, 0.92, launch=launch),
                           warmup=10, rep=50)
@@ -162,12 +163,10 @@ def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
             if r is not None:
                 moved += tokens * hkv * d * 2  # rotated keys handed back
             row[name] = {"ms": ms, "bytes": moved, "gbps": moved / ms / 1e6}
-        res["sweep"].append(row)
-        if best is None or (row["store_rotated"]["ms"] + row["store_unrotated"]["ms"]
-                            < best["store_rotated"]["ms"] + best["store_unrotated"]["ms"]):
-            best = row
-    res["launch"] = best["launch"]
-    res["store_rotated"], res["store_unrotated"] = best["store_rotated"], best["store_unrotated"]
+        if launch is None:
+            res["store_rotated"], res["store_unrotated"] = row["store_rotated"], row["store_unrotated"]
+        else:
+            res["sweep"].append(row)
     copy_src = torch.empty(2 * k.numel() * 2, dtype=torch.uint8, device=DEV)
     copy_dst = torch.empty_like(copy_src)
     ms = do_bench(lambda: copy_dst.copy_(copy_src), warmup=10, rep=50)
@@ -244,29 +243,35 @@ def project_qwen3_4b(sms: int, gen) -> dict:
     for name, b in batches.items():
         if name == "bf16":
             attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["bf16_sdpa_ms"]
-            store = 0.0
+            store, store_graph = 0.0, 0.0
         else:
             attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["oscar_ms"]
-            store = bench_store_decode(b, hkv, d, gen)
+            timed = bench_store_decode(b, hkv, d, gen)
+            store, store_graph = timed["ms"], timed["graph_ms"]
         lin = gemm_ms(b, shapes, gen)
         head = gemm_ms(b, [(hidden, vocab)], gen)
         step = layers * (attn + store + lin) + head
-        res[name] = {"attention_ms_per_layer": attn, "store_ms_per_layer": store, "linear_ms_per_layer": lin,
+        res[name] = {"attention_ms_per_layer": attn, "store_ms_per_layer": store,
+                     "store_graph_ms_per_layer": store_graph, "linear_ms_per_layer": lin,
                      "lm_head_ms": head, "step_ms": step, "tokens_per_s": b / step * 1e3}
     res["speedup"] = res["oscar"]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
     return res
 
 
-def bench_store_decode(batch: int, hkv: int, d: int, gen) -> float:
+def bench_store_decode(batch: int, hkv: int, d: int, gen, launch: dict | None = None) -> dict:
+    """The decode step's store (one token per request, rotated), as serving
+    calls it: ms per call, and ms per replay of a CUDA graph of it (the
+    serving job's decode batches replay full graphs); at the decode default
+    launch unless ``launch`` is given."""
     fmt = fmt_for(d)
     cache, table = make_cache(fmt, batch, 1024, hkv, gen)
     k = torch.randn(batch, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
     v = torch.randn(batch, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
-    rot = torch.linalg.qr(torch.randn(hkv, d, d, device=DEV, generator=gen))[0].contiguous()
+    rot = rotation_parts(torch.linalg.qr(torch.randn(hkv, d, d, device=DEV, generator=gen))[0])
     seq = torch.full((batch,), 1024, dtype=torch.int32, device=DEV)
-    req = torch.arange(batch, dtype=torch.int32, device=DEV)
-    return do_bench(lambda: store_tokens(cache, fmt, k, v, rot, seq - 1, req, seq, table, 0.96, 0.92),
-                    warmup=10, rep=50)
+    step = lambda: store_decode_tokens(cache, fmt, k, v, rot, seq, table, 0.96, 0.92, launch=launch)  # noqa: E731
+    return {"batch": batch, "launch": launch or default_store_launch(d, decode=True), "default": launch is None,
+            "ms": do_bench(step, warmup=10, rep=50), "graph_ms": do_bench_cudagraph(step, rep=50)}
 
 
 def time_decode(fmt: OscarFormat, hq: int, hkv: int, batch: int, ctx: int, sms: int, gen, launch=None) -> float:
@@ -407,7 +412,7 @@ def render(res: dict) -> str:
         "",
         f"Fused store of {s['tokens']:,} new tokens x {s['hkv']} KV heads (one prefill chunk): read K/V BF16,"
         " write INT2 pages (+ BF16 sink/window rows)"
-        + (f"; launch {s['launch']}, the best of a sweep in the same run" if "launch" in s else "")
+        + f"; the kernel's default launch {s['launch']} (what serving runs)"
         + f" ({s['date']}, read bandwidth {s['read_bandwidth_gbps']:.0f} GB/s).",
         "",
         "| kernel | ms | GB/s (% of read bw) |",
@@ -416,6 +421,16 @@ def render(res: dict) -> str:
     for name in ("store_rotated", "store_unrotated", "bf16_cache_copy"):
         lines.append(f"| {name} | {s[name]['ms']:.3f} | {s[name]['gbps']:.0f}"
                      f" ({100 * s[name]['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
+    if s.get("sweep"):
+        lines += ["", "Other launches in the same run (ms):", "", "| launch | rotated | unrotated |", "|---|---|---|"]
+        lines += [f"| {r['launch']} | {r['store_rotated']['ms']:.3f} | {r['store_unrotated']['ms']:.3f} |"
+                  for r in s["sweep"]]
+    if s.get("decode"):
+        lines += ["", "A decode step's store (one rotated token per request, 8 KV heads), per call and per replay"
+                  " of a CUDA graph of it; the decode default launch is marked:", "",
+                  "| batch | launch | ms per call | ms per graph replay |", "|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['launch']}{' (default)' if r['default'] else ''} | {r['ms']:.4f}"
+                  f" | {r['graph_ms']:.4f} |" for r in s["decode"]]
     if "extend" in res:
         lines += [
             "",
@@ -450,6 +465,11 @@ def render(res: dict) -> str:
                          f"{r['store_ms_per_layer']:.3f} | {r['linear_ms_per_layer']:.3f} | {r['step_ms']:.1f} | "
                          f"{r['tokens_per_s']:.0f} |")
         lines += ["", f"Projected decode speed-up: **{p['speedup']:.2f}x**."]
+        if "store_graph_ms_per_layer" in p["oscar"]:
+            lines += ["", f"The store per call as timed above includes any gap its Python launch leaves; replayed"
+                          f" from a CUDA graph (as the serving job's decode batches run) it takes"
+                          f" {p['oscar']['store_graph_ms_per_layer']:.3f} ms per layer. The step above uses the"
+                          " per-call time."]
     check = REPO / "benchmarks" / "results" / "cuda_check.json"
     if check.exists():
         lines += cuda_check_section(json.loads(check.read_text()))
@@ -603,7 +623,9 @@ def main() -> None:
                          "rows": bench_splits(sms, gen)}
         partial.write_text(json.dumps(res, indent=2))
     if "store" in args.sections:
-        res["store"] = {**bench_store(16384, 8, 128, gen), "date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw}
+        res["store"] = {**bench_store(16384, 8, 128, gen), "date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
+                        "decode": [bench_store_decode(b, 8, 128, gen, launch) for b in (8, 32, 256)
+                                   for launch in (None, default_store_launch(128))]}
         print(json.dumps(res["store"]), flush=True)
         partial.write_text(json.dumps(res, indent=2))
     if "extend" in args.sections:

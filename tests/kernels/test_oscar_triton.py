@@ -19,7 +19,7 @@ pytest.importorskip("triton")
 from vllm_kvq.kernels.oscar import reference as ref  # noqa: E402
 from vllm_kvq.kernels.oscar.format import OscarFormat  # noqa: E402
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention  # noqa: E402
-from vllm_kvq.kernels.oscar.triton_store import store_decode_tokens, store_tokens  # noqa: E402
+from vllm_kvq.kernels.oscar.triton_store import rotation_parts, store_decode_tokens, store_tokens  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SMALL = dict(d=64, hkv=2, group=4, g=32, kb=16, sink=4, window=8)
@@ -82,7 +82,7 @@ def test_store_matches_reference(shape, rotate):
     pos = [p for ctx, t in steps for p in range(ctx, ctx + t)]
     req = [i for i, (_, t) in enumerate(steps) for _ in range(t)]
     end = [ctx + t for ctx, t in steps for _ in range(t)]
-    k_out = store_tokens(got, fmt, k.to(DEV), v.to(DEV), rot.to(DEV) if rotate else None, ints(pos), ints(req),
+    k_out = store_tokens(got, fmt, k.to(DEV), v.to(DEV), rotation_parts(rot).to(DEV) if rotate else None, ints(pos), ints(req),
                          ints(end), table.to(DEV), 0.96, 0.92).float().cpu()
     if rotate:
         # Rotated rows agree to bf16 rounding (sums run in another order; the
@@ -125,6 +125,62 @@ def test_store_clip_ties(clips):
     kf, vf = k.float(), v.float()
     ref.write_request(ref.PageViews(want, fmt), fmt, table[0], 0, kf, vf,
                       ref.quantize_rows(kf, fmt.group_size, clips[0]), ref.quantize_rows(vf, fmt.group_size, clips[1]))
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("clips", [(0.96, 0.92), (0.5, 0.75)])
+def test_store_clip_outliers(clips):
+    """Rows whose clip threshold lies far below their largest entry (one
+    outlier 2^10 above the rest: the search leaves the octave below the
+    maximum and takes all 15 bits) among ordinary rows in the same tiles,
+    for K and for V: the pages equal the reference's bit for bit."""
+    gen = torch.Generator().manual_seed(5)
+    fmt = _fmt(SMALL)
+    h, d = SMALL["hkv"], SMALL["d"]
+    n = 2 * fmt.block_size + 7
+    table, nblocks = _block_table(fmt, [n], gen)
+    k = torch.randn(n, h, d, generator=gen)
+    v = torch.randn(n, h, d, generator=gen)
+    for x, every in ((k, 3), (v, 4)):
+        rows = torch.arange(0, n, every)
+        x[rows, :, torch.randint(0, d, (len(rows),), generator=gen)] *= 1024.0
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    kf, vf = k.float(), v.float()
+    for x, clip in ((kf, clips[0]), (vf, clips[1])):  # the data does reach the 15-bit search
+        thr = x.abs().sort(dim=-1).values[..., min(int(clip * d), d - 1)]
+        assert bool((thr < x.abs().amax(-1) / 2).any())
+    got = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    store_tokens(got, fmt, k.to(DEV), v.to(DEV), None, ints(list(range(n))), ints([0] * n), ints([n] * n),
+                 table.to(DEV), *clips)
+    want = torch.zeros(got.shape, dtype=torch.uint8)
+    ref.write_request(ref.PageViews(want, fmt), fmt, table[0], 0, kf, vf,
+                      ref.quantize_rows(kf, fmt.group_size, clips[0]), ref.quantize_rows(vf, fmt.group_size, clips[1]))
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_store_keys_not_bf16(dtype):
+    """fp16/fp32 keys (models served in those dtypes) are rotated in fp32 and
+    rounded to bf16 once, as the reference does; values are rounded to bf16."""
+    gen = torch.Generator().manual_seed(6)
+    fmt = _fmt(SMALL)
+    h, d = SMALL["hkv"], SMALL["d"]
+    n = fmt.block_size + 3
+    table, nblocks = _block_table(fmt, [n], gen)
+    k = (torch.randn(n, h, d, generator=gen) * 3).to(dtype)
+    v = torch.randn(n, h, d, generator=gen).to(dtype)
+    rot = _random_rotation(h, d, gen)
+    got = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+    k_out = store_tokens(got, fmt, k.to(DEV), v.to(DEV), rotation_parts(rot).to(DEV), ints(list(range(n))),
+                         ints([0] * n), ints([n] * n), table.to(DEV), 0.96, 0.92).cpu()
+    k_rot = torch.einsum("thd,hde->the", k.float(), rot).to(torch.bfloat16)
+    assert (k_out.float() - k_rot.float()).abs().max() <= k_rot.float().abs().max() * 2**-7
+    want = torch.zeros(got.shape, dtype=torch.uint8)
+    kb, vb = k_out.float(), v.to(torch.bfloat16).float()
+    ref.write_request(ref.PageViews(want, fmt), fmt, table[0], 0, kb, vb,
+                      ref.quantize_rows(kb, fmt.group_size, 0.96), ref.quantize_rows(vb, fmt.group_size, 0.92))
     assert torch.equal(got.cpu(), want)
 
 

@@ -271,6 +271,7 @@ class OscarImpl(AttentionImpl):
         self._fmt: OscarFormat | None = None
         self._sm_count: int | None = None
         self.k_rotation: torch.Tensor | None = None  # [H_local, D, D] fp32
+        self._k_parts: torch.Tensor | None = None  # the Triton store's bf16 parts of it, made once
         self.v_absorbed = False  # set by the weight folding at load
         self.unrotate_output = False  # set there too: o_proj could not take R_V
 
@@ -285,6 +286,7 @@ class OscarImpl(AttentionImpl):
         self._layer = idx
         heads = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads)
         self.k_rotation = self.artifact.rotation_for("k", idx, heads)
+        self._k_parts = None
         if self.settings.scheme == "kivi":  # per-channel keys: a key rotation would mix the channels
             self.k_rotation = torch.eye(self.head_size).expand_as(self.k_rotation).contiguous()
         self.v_rotation = self.artifact.rotation_for("v", idx, heads)
@@ -389,7 +391,12 @@ class OscarImpl(AttentionImpl):
         from vllm_kvq.kernels.oscar import triton_decode, triton_extend, triton_store
 
         table = md.block_table
-        rot = None if self.k_identity else self.k_rotation
+        if self.k_identity:
+            rot = None
+        else:
+            if self._k_parts is None:
+                self._k_parts = triton_store.rotation_parts(self.k_rotation)
+            rot = self._k_parts
         nd, n = md.num_decodes, md.num_actual_tokens
         if nd:
             seq = md.decode_seq_lens
