@@ -156,11 +156,9 @@ def _row_quant(words, tmin, tmax, thr, NG: tl.constexpr, PG: tl.constexpr, T: tl
     # element d = 8 pi + 2 w + e of piece pi = (g PG + p) TPR + h goes to byte
     # d % (D/4), bits 2 (d // (D/4)), of the row's packed codes
     NQ: tl.constexpr = D // 32  # pieces per quarter
-    g_i = tl.arange(0, NG)[:, None, None, None, None]
-    p_i = tl.arange(0, PG)[None, :, None, None, None]
-    h_i = tl.arange(0, TPR)[None, None, None, :, None]
-    w_i = tl.arange(0, 4)[None, None, None, None, :]
-    quarter = ((g_i * PG + p_i) * TPR + h_i) // NQ
+    word = _word_in_row(NG, PG, TPR)
+    w_i = word % 4
+    quarter = (word // 4) // NQ
     # -1 per step passed, so the bit's negative
     m_lo = -(1 << (8 * ((2 * w_i) % 4) + 2 * quarter))
     m_hi = m_lo * 256
