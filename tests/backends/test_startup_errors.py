@@ -77,6 +77,7 @@ def test_bad_artifact_fails_at_start(good_artifact, tmp_path, case):
     ({"scheme": "kivi", "k_clip": 0.9}, "drop kvq.k_clip"),
     ({"scheme": "kivi", "window": 16}, "kvq.window must be >= 32"),
     ({"scheme": "kivi", "kernels": "triton"}, "PyTorch reference ops, not the Triton kernels"),
+    ({"group_size": 32, "kernels": "triton"}, "group_size 32: set kvq.group_size to 128 or 64"),
 ])
 def test_bad_settings_fail_at_start(kvq, message):
     with pytest.raises(Exception, match=message):

@@ -38,6 +38,8 @@ def check_oscar_config(vllm_config) -> None:
             "--additional-config '{\"kvq\": {\"scheme\": \"tiered\", \"artifact\": ...}}'"
         )
     fmt = page_format(head_dim(text_config(model_config.hf_config)), cache_config.block_size, s)
+    if uses_triton(s, torch.device(current_platform.device_type)):
+        _check_triton_shapes(fmt)
     if cache_config.enable_prefix_caching:
         logger.warning(
             "OSCAR keeps each request's BF16 sink/window rows in its own state blocks, "
@@ -51,6 +53,22 @@ def check_oscar_config(vllm_config) -> None:
         s.scheme, s.rotation_mode, artifact.source, s.group_size, s.sink, s.window,
         fmt.bytes_per_token, fmt.state_blocks, fmt.bits_per_element(model_config.max_model_len),
         model_config.max_model_len,
+    )
+
+
+def _check_triton_shapes(fmt) -> None:
+    """The Triton kernels unpack a row in 32-lane pieces and hold at most two
+    (scale, min) groups per row: refuse other shapes here, not at the first
+    forward."""
+    d, g = fmt.head_size, fmt.group_size
+    if d >= 32 and d & (d - 1) == 0 and fmt.groups in (1, 2):
+        return
+    fix = (f"set kvq.group_size to {d} or {d // 2}" if d >= 32 and d & (d - 1) == 0
+           else "this head size has no Triton path")
+    raise ValueError(
+        f"OSCAR's Triton kernels need a power-of-two head size >= 32 and kvq.group_size equal to it or "
+        f"half of it, got head size {d} and group_size {g}: {fix}, or pass kvq.kernels 'reference' "
+        "(the PyTorch reference ops; slow)"
     )
 
 
