@@ -65,27 +65,52 @@ def softmax_step(s, m_i, l_i, KEYS: tl.constexpr):
 
 @triton.jit
 def _quarter(codes, J: tl.constexpr):
-    """fp16 ``1024 + 4**J * code_J`` of quarter J, straight from the bits
-    (``0x6400 | (byte & 3 << 2J)``): one AND/OR per element, no shift and no
-    int-to-float conversion. The ``4**J`` is divided out of q (keys) or of the
-    result (values), both exact powers of two."""
-    return ((codes & (3 << (2 * J))) | 0x6400).to(tl.float16, bitcast=True)
+    """fp16 ``4**J * code_J * 2**-24`` of quarter J: the code's two bits, kept
+    where they are, read as a subnormal fp16 (one AND per element; exact, and
+    the tensor cores take subnormal fp16). The ``4**J`` is divided out of q
+    (keys) or of the result (values), the ``2**-24`` out of the scores and the
+    result."""
+    return (codes & (3 << (2 * J))).to(tl.float16, bitcast=True)
 
 
 @triton.jit
 def _quarters_asm(codes):
     """:func:`_quarter` of all four quarters from packed registers (compiled
-    path only): four code bytes are spread to two fp16 lanes pairs by two byte
-    permutes, shared by the quarters; each quarter then takes one AND/OR per
-    two codes."""
+    path only), without spreading bytes to 16-bit lanes: a word's bytes 0 and 2
+    already sit in the low bits of its two lanes, and so do bytes 1 and 3 of the
+    word shifted by 8. So each quarter's first register holds bytes (0, 2), its
+    second (1, 3): elements 1 and 2 of every four trade places, which the caller
+    undoes on the other operand (:func:`_swap12`). One shift per word, one AND
+    per two codes."""
     return tl.inline_asm_elementwise(
-        "{ .reg .b32 t0, t1; prmt.b32 t0, $8, 0, 0x4140; prmt.b32 t1, $8, 0, 0x4342; "
-        "lop3.b32 $0, t0, 0x00030003, 0x64006400, 0xea; lop3.b32 $1, t1, 0x00030003, 0x64006400, 0xea; "
-        "lop3.b32 $2, t0, 0x000c000c, 0x64006400, 0xea; lop3.b32 $3, t1, 0x000c000c, 0x64006400, 0xea; "
-        "lop3.b32 $4, t0, 0x00300030, 0x64006400, 0xea; lop3.b32 $5, t1, 0x00300030, 0x64006400, 0xea; "
-        "lop3.b32 $6, t0, 0x00c000c0, 0x64006400, 0xea; lop3.b32 $7, t1, 0x00c000c0, 0x64006400, 0xea; }",
+        "{ .reg .b32 h; shr.b32 h, $8, 8; "
+        "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
+        "and.b32 $2, $8, 0x000c000c; and.b32 $3, h, 0x000c000c; "
+        "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
+        "and.b32 $6, $8, 0x00c000c0; and.b32 $7, h, 0x00c000c0; }",
         "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
         dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+
+
+@triton.jit
+def _swap12(x, ASM: tl.constexpr):
+    """Index ``x`` with elements 1 and 2 of every four swapped where
+    :func:`_quarters_asm` unpacks (they trade places there), else ``x``."""
+    if ASM:
+        return (x & ~3) | ((x & 1) << 1) | ((x >> 1) & 1)
+    return x
+
+
+@triton.jit
+def _f16_halves(w, ASM: tl.constexpr):
+    """The fp16 (low, high) halves of int32 words, as fp32."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+            "=f,=f,r", [w], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    lo = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @triton.jit
@@ -107,36 +132,25 @@ def page_step(step, KB: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _load_scales(cache_f16, base, t, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
-                 PARTIAL: tl.constexpr = False):
-    """fp16 (scale, min) of rows ``t`` of a page, K and V, as ``[len(t), 2 NG]``;
-    with PARTIAL, rows past the page read as zeros."""
-    j = tl.arange(0, 2 * NG)
-    sm = cache_f16 + base // 2 + KB * (D // 4) + t[:, None] * (2 * NG) + j[None, :]
+def _load_pairs(cache_i32, base, t, g: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
+                PARTIAL: tl.constexpr, ASM: tl.constexpr):
+    """fp32 (scale, min) of group ``g`` of rows ``t`` of a page, K then V, one
+    32-bit load per pair; with PARTIAL, rows past the page read as zeros."""
+    at = cache_i32 + base // 4 + KB * (D // 8) + t * NG + g
     if PARTIAL:
-        inside = (t < KB)[:, None]
-        return tl.load(sm, mask=inside, other=0.0), tl.load(sm + KB * 2 * NG, mask=inside, other=0.0)
-    return tl.load(sm), tl.load(sm + KB * 2 * NG)
-
-
-@triton.jit
-def _split_scales(x, KB: tl.constexpr, NG: tl.constexpr):
-    """``[KB, 2 NG]`` (scale, min) pairs -> fp32 (s_a, m_a, s_b, m_b); b is a
-    when there is one group."""
-    s, m = tl.split(tl.reshape(x.to(tl.float32), (KB, NG, 2)))
-    if NG == 1:
-        s_a = tl.reshape(s, (KB,))
-        m_a = tl.reshape(m, (KB,))
-        s_b = s_a
-        m_b = m_a
+        inside = t < KB
+        kw = tl.load(at, mask=inside, other=0)
+        vw = tl.load(at + KB * NG, mask=inside, other=0)
     else:
-        s_a, s_b = tl.split(s)
-        m_a, m_b = tl.split(m)
-    return s_a, m_a, s_b, m_b
+        kw = tl.load(at)
+        vw = tl.load(at + KB * NG)
+    ks, km = _f16_halves(kw, ASM)
+    vs, vm = _f16_halves(vw, ASM)
+    return ks, km, vs, vm
 
 
 @triton.jit
-def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, split,
+def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split,
                 H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
                 WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, num_splits,
                 GP: tl.constexpr, q_scale, ASM: tl.constexpr, NSTAGE: tl.constexpr,
@@ -150,37 +164,37 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
     Both products put the tokens on the tensor cores' M/K side and the few
     query heads of the KV head on N (padded to 8, not to 16 as a query-major
     product would be): scores ``S^T = K Q^T [TILE, GP]`` and outputs ``O^T =
-    V^T P^T [D/4, GP]`` per quarter. Quarter j of the head dim enters as fp16
-    ``c'_j = 1024 + 4^j code`` (:func:`_quarter`); with ``q'_j = q_j / 4^j`` and
-    per-row (s, m): ``q.k = s (sum_j q'_j.c'_j - 1024 sum q') + m sum q``.
-    Values: ``a_j += sum_t c'_j (p s)_t + 4^j sum_t p_t m_t - 1024 sum_t (p s)_t``
-    per step, and ``o_j = a_j / 4^j`` at the end.
+    V^T P^T [D/4, GP]`` per quarter. Quarter j of the head dim enters as the
+    subnormal fp16 ``c'_j = 4^j code 2^-24`` (:func:`_quarter`); with ``q'_j =
+    q_j / 4^j`` and per-row (s, m): ``q.k = s 2^24 (sum_j q'_j.c'_j) + m sum q``.
+    Values: ``a_j += sum_t c'_j (p s)_t``, the mins ``sum_t p_t m_t`` apart (one
+    number per query head), and ``o_j = a_j 2^24 / 4^j + mins`` at the end.
+    Where the codes unpack in registers (:func:`_quarters_asm`), elements 1
+    and 2 of every four trade places: in the head dim of the keys (q is read
+    the same way) and in the tokens of the values (the key rows, and so the
+    probabilities, are read the same way).
     """
     D4: tl.constexpr = D // 4
     NG: tl.constexpr = D // G
+    TINY: tl.constexpr = 5.9604644775390625e-08  # 2^-24
     d4 = tl.arange(0, D4)
     SUB: tl.constexpr = (KB + TILE - 1) // TILE  # steps per page
     PARTIAL: tl.constexpr = KB % TILE != 0
     t = tl.arange(0, TILE)
-    code_off = t[:, None] * D4 + d4[None, :]          # K: [TILE, D4], token-major
+    tk = _swap12(t, ASM)                              # key rows (and probabilities) in the values' token order
+    code_off = tk[:, None] * D4 + d4[None, :]         # K: [TILE, D4], token-major
     vcode_off = d4[:, None] * KB + t[None, :]         # V: [D4, TILE], byte-major in the page
-    qp = q_base[None, :] + d4[:, None]                # [D4, GP]
+    qp = q_base[None, :] + _swap12(d4, ASM)[:, None]  # [D4, GP], in the keys' element order
     qm = qmask[None, :]
     q0 = (tl.load(qp, mask=qm, other=0.0).to(tl.float32) * q_scale).to(tl.float16)
     q1 = (tl.load(qp + D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.25)).to(tl.float16)
     q2 = (tl.load(qp + 2 * D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.0625)).to(tl.float16)
     q3 = (tl.load(qp + 3 * D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.015625)).to(tl.float16)
-    f0 = q0.to(tl.float32)
-    f1 = q1.to(tl.float32)
-    f2 = q2.to(tl.float32)
-    f3 = q3.to(tl.float32)
-    qs_a = tl.sum(f0, axis=0) + 4.0 * tl.sum(f1, axis=0)
-    qs_b = 16.0 * tl.sum(f2, axis=0) + 64.0 * tl.sum(f3, axis=0)
-    qb_a = 1024.0 * (tl.sum(f0, axis=0) + tl.sum(f1, axis=0))
-    qb_b = 1024.0 * (tl.sum(f2, axis=0) + tl.sum(f3, axis=0))
+    # sum q per group, times 2^-24 like the key dots (the scores stay 2^-24 small until the exp)
+    qs_a = (tl.sum(q0.to(tl.float32), axis=0) + 4.0 * tl.sum(q1.to(tl.float32), axis=0)) * TINY
+    qs_b = (16.0 * tl.sum(q2.to(tl.float32), axis=0) + 64.0 * tl.sum(q3.to(tl.float32), axis=0)) * TINY
     if NG == 1:
         qs_a = qs_a + qs_b
-        qb_a = qb_a + qb_b
 
     lo = SINK
     hi = tl.maximum(L - WINDOW, SINK)
@@ -192,9 +206,8 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
-    # the key dots start from -1024 sum q' (the bias of c' = 1024 + 4^j c)
-    neg_qb_a = tl.zeros([TILE, GP], tl.float32) - qb_a[None, :]
-    neg_qb_b = tl.zeros([TILE, GP], tl.float32) - qb_b[None, :]
+    mins_a = tl.zeros([GP], tl.float32)
+    mins_b = tl.zeros([GP], tl.float32)
     a0 = tl.zeros([D4, GP], tl.float32)
     a1 = tl.zeros([D4, GP], tl.float32)
     a2 = tl.zeros([D4, GP], tl.float32)
@@ -206,22 +219,19 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
         # several steps' code and scale copies in flight (num_stages)
         page, r0 = page_step(step, KB, TILE)
         pbase = _page_base(row, page, H, h, D, NG, KB, STATE_BLOCKS)
-        r = r0 + t  # rows in the page
-        ksm, vsm = _load_scales(cache_f16, pbase, r, D, NG, KB, PARTIAL)
+        r = r0 + tk  # key rows in the page
+        ks_a, km_a, vs_a, vm_a = _load_pairs(cache_i32, pbase, r, 0, D, NG, KB, PARTIAL, ASM)
         k_at = cache_u8 + pbase + r0 * D4 + code_off
         v_at = cache_u8 + pbase + KB * D4 + r0 + vcode_off
         pos = page * KB + r
         ok = (pos >= lo) & (pos < hi)
         if PARTIAL:
-            inside = r < KB
-            kc = tl.load(k_at, mask=inside[:, None], other=0)
-            vc = tl.load(v_at, mask=inside[None, :], other=0)
-            ok = ok & inside
+            ok = ok & (r < KB)
+            kc = tl.load(k_at, mask=(r < KB)[:, None], other=0)
+            vc = tl.load(v_at, mask=(r0 + t < KB)[None, :], other=0)
         else:
             kc = tl.load(k_at)
             vc = tl.load(v_at)
-        ks_a, km_a, ks_b, km_b = _split_scales(ksm, TILE, NG)
-        vs_a, vm_a, vs_b, vm_b = _split_scales(vsm, TILE, NG)
         if ASM:
             k0, k1, k2, k3 = _quarters_asm(kc)
         else:
@@ -231,39 +241,40 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             k2 = _quarter(kq, 2)
             k3 = _quarter(kq, 3)
         if NG == 1:
-            acc = tl.dot(k0, q0, neg_qb_a)
+            acc = tl.dot(k0, q0)
             acc = tl.dot(k1, q1, acc)
             acc = tl.dot(k2, q2, acc)
             acc = tl.dot(k3, q3, acc)
             s = ks_a[:, None] * acc + km_a[:, None] * qs_a[None, :]
         else:
-            acc_a = tl.dot(k0, q0, neg_qb_a)
+            ks_b, km_b, vs_b, vm_b = _load_pairs(cache_i32, pbase, r, 1, D, NG, KB, PARTIAL, ASM)
+            acc_a = tl.dot(k0, q0)
             acc_a = tl.dot(k1, q1, acc_a)
-            acc_b = tl.dot(k2, q2, neg_qb_b)
+            acc_b = tl.dot(k2, q2)
             acc_b = tl.dot(k3, q3, acc_b)
             s = (ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
                  + ks_b[:, None] * acc_b + km_b[:, None] * qs_b[None, :])
         s = tl.where(ok[:, None], s, float("-inf"))
-        p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 0)
+        # online softmax on 2^24 s (the scale enters the exp's argument, one FMA)
+        m_new = tl.maximum(m_i, tl.max(s, axis=0) * 16777216.0)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s * 16777216.0 - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
 
         # rows past the range may hold stale bytes: keep them out of p * s
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)
         pa = (p * vs_a[:, None]).to(tl.float16)
-        # this step's bias (1024 sum p s) and min (sum p m) enter each quarter's
-        # accumulator before its dot, so the 1024s cancel inside one step
-        bias_a = 1024.0 * tl.sum(pa.to(tl.float32), axis=0)
-        min_a = tl.sum(p * vm_a[:, None], axis=0)
+        mins_a = mins_a * alpha + tl.sum(p * vm_a[:, None], axis=0)
         if NG == 1:
             pb = pa
-            bias_b = bias_a
-            min_b = min_a
         else:
             vs_b = tl.where(ok, vs_b, 0.0)
             vm_b = tl.where(ok, vm_b, 0.0)
             pb = (p * vs_b[:, None]).to(tl.float16)
-            bias_b = 1024.0 * tl.sum(pb.to(tl.float32), axis=0)
-            min_b = tl.sum(p * vm_b[:, None], axis=0)
+            mins_b = mins_b * alpha + tl.sum(p * vm_b[:, None], axis=0)
         if ASM:
             v0, v1, v2, v3 = _quarters_asm(vc)
         else:
@@ -272,17 +283,19 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr, L, spl
             v1 = _quarter(vq, 1)
             v2 = _quarter(vq, 2)
             v3 = _quarter(vq, 3)
-        a0 = tl.dot(v0, pa, a0 * alpha[None, :] + (min_a - bias_a)[None, :])
-        a1 = tl.dot(v1, pa, a1 * alpha[None, :] + (4.0 * min_a - bias_a)[None, :])
-        a2 = tl.dot(v2, pb, a2 * alpha[None, :] + (16.0 * min_b - bias_b)[None, :])
-        a3 = tl.dot(v3, pb, a3 * alpha[None, :] + (64.0 * min_b - bias_b)[None, :])
+        a0 = tl.dot(v0, pa, a0 * alpha[None, :])
+        a1 = tl.dot(v1, pa, a1 * alpha[None, :])
+        a2 = tl.dot(v2, pb, a2 * alpha[None, :])
+        a3 = tl.dot(v3, pb, a3 * alpha[None, :])
 
+    if NG == 1:
+        mins_b = mins_a
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
     op = o_base[None, :] + d4[:, None]
-    tl.store(op, a0 * inv[None, :], mask=qm)
-    tl.store(op + D4, a1 * (0.25 * inv)[None, :], mask=qm)
-    tl.store(op + 2 * D4, a2 * (0.0625 * inv)[None, :], mask=qm)
-    tl.store(op + 3 * D4, a3 * (0.015625 * inv)[None, :], mask=qm)
+    tl.store(op, (a0 * 16777216.0 + mins_a[None, :]) * inv[None, :], mask=qm)
+    tl.store(op + D4, (a1 * 4194304.0 + mins_a[None, :]) * inv[None, :], mask=qm)
+    tl.store(op + 2 * D4, (a2 * 1048576.0 + mins_b[None, :]) * inv[None, :], mask=qm)
+    tl.store(op + 3 * D4, (a3 * 262144.0 + mins_b[None, :]) * inv[None, :], mask=qm)
     tl.store(lse_ptr, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=qmask)
 
 
@@ -318,7 +331,7 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk,
 
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
-                   cache_u8, cache_f16, cache_bf16, o_ptr, lse_ptr, q_scale, num_splits,
+                   cache_u8, cache_i32, cache_bf16, o_ptr, lse_ptr, q_scale, num_splits,
                    H, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                    D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr,
@@ -337,7 +350,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     part = (b * HQ + hq).to(tl.int64) * (num_splits + NUM_BF16) + split
     o_base = o_ptr + part * D
     if split < num_splits:
-        _int2_split(q_base, qmask, row, cache_u8, cache_f16, o_base, lse_ptr + part, L, split,
+        _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr + part, L, split,
                     H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, num_splits, GP, q_scale, ASM, NSTAGE, TILE)
     else:
         _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits,
@@ -373,13 +386,12 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, parts, HQ: tl.c
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
-    """INT2 splits per (request, KV head): at most 32 programs per SM, four
-    whole waves of the 8 one-warp programs an SM holds at the default launch
-    (its 250 registers a thread), each slice at least four pages long (the
-    prologue and the merge stay small against the pages read). One program
-    more than whole waves costs a wave: on the H200, batch 32 at 100K tokens
-    took 0.639 ms in 16 splits (3.9 waves) against 0.654 ms in 17 (4.1;
-    benchmarks/oscar_kernels.py, its split sweep)."""
+    """INT2 splits per (request, KV head): at most 32 programs per SM (an SM
+    holds 12 one-warp programs at the default launch, 168 registers a thread),
+    each slice at least four pages long (the prologue and the merge stay small
+    against the pages read). On the H200, batch 32 at 100K tokens took
+    0.59-0.62 ms at every count from 8 to 64 (benchmarks/oscar_kernels.py, its
+    split sweep): the count matters little once the SMs are full."""
     want = 32 * sm_count // max(batch * kv_heads, 1)
     longest = max(1, max_context // (4 * block_size))
     return max(1, min(want, longest, 256))
@@ -420,7 +432,7 @@ def decode_attention(
     lse_part = torch.empty(b, hq, parts, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, h, parts)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
-        kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16), o_part, lse_part,
+        kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16), o_part, lse_part,
         scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
         D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
