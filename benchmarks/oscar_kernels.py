@@ -398,9 +398,9 @@ def render(res: dict) -> str:
     if "splits" in res:
         sp = res["splits"]
         lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {sp['date']}, read bandwidth"
-                  f" {sp['read_bandwidth_gbps']:.0f} GB/s). An SM holds 8 one-warp programs at the default launch;"
-                  " the default count (`num_splits`, marked) puts at most 32 INT2 programs on an SM, four whole"
-                  " waves.", "",
+                  f" {sp['read_bandwidth_gbps']:.0f} GB/s). An SM holds 11 one-warp programs at the default launch"
+                  " (168 registers, 19 KB of shared memory each); the default count (`num_splits`, marked) puts at"
+                  " most 32 INT2 programs on an SM, about three waves.", "",
                   "| batch | context | splits | ms | GB/s (% of read bw) |", "|---|---|---|---|---|"]
         lines += [f"| {r['batch']} | {r['context']:,} | {r['splits']}{' (default)' if r['splits'] == r['default'] else ''}"
                   f" | {r['ms']:.3f} | {r['gbps']:.0f} ({100 * r['gbps'] / sp['read_bandwidth_gbps']:.0f}%) |"

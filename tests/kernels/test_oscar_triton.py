@@ -191,12 +191,13 @@ def test_store_keys_not_bf16(dtype):
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("launch", DECODE_LAUNCHES)
 def test_decode_matches_reference(shape, splits, launch):
-    """Requests shorter than, equal to and far beyond sink + window."""
+    """Requests shorter than, equal to and far beyond sink + window, one of
+    them with its INT2 range ending exactly at a page's end."""
     gen = torch.Generator().manual_seed(1)
     fmt = _fmt(shape)
     h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
     s0w = fmt.sink + fmt.window
-    lengths = [1, s0w - 1, s0w, s0w + 1, 6 * fmt.block_size + 7]
+    lengths = [1, s0w - 1, s0w, s0w + 1, 6 * fmt.block_size + 7, fmt.window + 4 * fmt.block_size]
     if shape["d"] == 128:
         lengths.append(20_000)
     table, nblocks = _block_table(fmt, lengths, gen)

@@ -150,6 +150,98 @@ def _load_pairs(cache_i32, base, t, g: tl.constexpr, D: tl.constexpr, NG: tl.con
 
 
 @triton.jit
+def _int2_step(step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
+               row, cache_u8, cache_i32, lo, hi, H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+               STATE_BLOCKS: tl.constexpr, ASM: tl.constexpr, TILE: tl.constexpr, EDGE: tl.constexpr):
+    """One TILE-token step of :func:`_int2_split`: scores, the online-softmax
+    update and the value products. Only an EDGE step (one reaching outside
+    ``[lo, hi)``) masks its rows by position; the partial last step of a page
+    (TILE not dividing KB) always masks its rows past the page."""
+    D4: tl.constexpr = D // 4
+    NG: tl.constexpr = D // G
+    PARTIAL: tl.constexpr = KB % TILE != 0
+    d4 = tl.arange(0, D4)
+    t = tl.arange(0, TILE)
+    tk = _swap12(t, ASM)                              # key rows (and probabilities) in the values' token order
+    page, r0 = page_step(step, KB, TILE)
+    pbase = _page_base(row, page, H, h, D, NG, KB, STATE_BLOCKS)
+    r = r0 + tk  # key rows in the page
+    ks_a, km_a, vs_a, vm_a = _load_pairs(cache_i32, pbase, r, 0, D, NG, KB, PARTIAL, ASM)
+    k_at = cache_u8 + pbase + r0 * D4 + tk[:, None] * D4 + d4[None, :]      # K: [TILE, D4], token-major
+    v_at = cache_u8 + pbase + KB * D4 + r0 + d4[:, None] * KB + t[None, :]  # V: [D4, TILE], byte-major
+    if PARTIAL:
+        kc = tl.load(k_at, mask=(r < KB)[:, None], other=0)
+        vc = tl.load(v_at, mask=(r0 + t < KB)[None, :], other=0)
+    else:
+        kc = tl.load(k_at)
+        vc = tl.load(v_at)
+    if ASM:
+        k0, k1, k2, k3 = _quarters_asm(kc)
+    else:
+        kq = kc.to(tl.int16)
+        k0 = _quarter(kq, 0)
+        k1 = _quarter(kq, 1)
+        k2 = _quarter(kq, 2)
+        k3 = _quarter(kq, 3)
+    if NG == 1:
+        acc = tl.dot(k0, q0)
+        acc = tl.dot(k1, q1, acc)
+        acc = tl.dot(k2, q2, acc)
+        acc = tl.dot(k3, q3, acc)
+        s = ks_a[:, None] * acc + km_a[:, None] * qs_a[None, :]
+    else:
+        ks_b, km_b, vs_b, vm_b = _load_pairs(cache_i32, pbase, r, 1, D, NG, KB, PARTIAL, ASM)
+        acc_a = tl.dot(k0, q0)
+        acc_a = tl.dot(k1, q1, acc_a)
+        acc_b = tl.dot(k2, q2)
+        acc_b = tl.dot(k3, q3, acc_b)
+        s = (ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
+             + ks_b[:, None] * acc_b + km_b[:, None] * qs_b[None, :])
+    if EDGE or PARTIAL:
+        if EDGE:
+            pos = page * KB + r
+            ok = (pos >= lo) & (pos < hi)
+            if PARTIAL:
+                ok = ok & (r < KB)
+        else:
+            ok = r < KB
+        s = tl.where(ok[:, None], s, float("-inf"))
+        # rows past the range may hold stale bytes: keep them out of p * s
+        vs_a = tl.where(ok, vs_a, 0.0)
+        vm_a = tl.where(ok, vm_a, 0.0)
+        if NG == 2:
+            vs_b = tl.where(ok, vs_b, 0.0)
+            vm_b = tl.where(ok, vm_b, 0.0)
+    # online softmax on 2^24 s (the scale enters the exp's argument, one FMA)
+    m_new = tl.maximum(m_i, tl.max(s, axis=0) * 16777216.0)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s * 16777216.0 - m_safe[None, :])
+    l_i = l_i * alpha + tl.sum(p, axis=0)
+
+    pa = (p * vs_a[:, None]).to(tl.float16)
+    mins_a = mins_a * alpha + tl.sum(p * vm_a[:, None], axis=0)
+    if NG == 1:
+        pb = pa
+    else:
+        pb = (p * vs_b[:, None]).to(tl.float16)
+        mins_b = mins_b * alpha + tl.sum(p * vm_b[:, None], axis=0)
+    if ASM:
+        v0, v1, v2, v3 = _quarters_asm(vc)
+    else:
+        vq = vc.to(tl.int16)
+        v0 = _quarter(vq, 0)
+        v1 = _quarter(vq, 1)
+        v2 = _quarter(vq, 2)
+        v3 = _quarter(vq, 3)
+    a0 = tl.dot(v0, pa, a0 * alpha[None, :])
+    a1 = tl.dot(v1, pa, a1 * alpha[None, :])
+    a2 = tl.dot(v2, pb, a2 * alpha[None, :])
+    a3 = tl.dot(v3, pb, a3 * alpha[None, :])
+    return m_new, l_i, mins_a, mins_b, a0, a1, a2, a3
+
+
+@triton.jit
 def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split,
                 H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
                 WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, num_splits,
@@ -160,7 +252,9 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
     A step is TILE tokens of one page; its codes and scales are contiguous.
     Where TILE does not divide the block (a hybrid model's blocks, sized by
     its state pages), a page's last step is partial: its rows past the page
-    are masked, never read.
+    are masked, never read. Only the steps that reach outside the range (at
+    most the first and the last of the slice) mask rows by position: the
+    slice's inner steps run without (one FSEL a score and a scale fewer).
     Both products put the tokens on the tensor cores' M/K side and the few
     query heads of the KV head on N (padded to 8, not to 16 as a query-major
     product would be): scores ``S^T = K Q^T [TILE, GP]`` and outputs ``O^T =
@@ -179,11 +273,6 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
     TINY: tl.constexpr = 5.9604644775390625e-08  # 2^-24
     d4 = tl.arange(0, D4)
     SUB: tl.constexpr = (KB + TILE - 1) // TILE  # steps per page
-    PARTIAL: tl.constexpr = KB % TILE != 0
-    t = tl.arange(0, TILE)
-    tk = _swap12(t, ASM)                              # key rows (and probabilities) in the values' token order
-    code_off = tk[:, None] * D4 + d4[None, :]         # K: [TILE, D4], token-major
-    vcode_off = d4[:, None] * KB + t[None, :]         # V: [D4, TILE], byte-major in the page
     qp = q_base[None, :] + _swap12(d4, ASM)[:, None]  # [D4, GP], in the keys' element order
     qm = qmask[None, :]
     q0 = (tl.load(qp, mask=qm, other=0.0).to(tl.float32) * q_scale).to(tl.float16)
@@ -203,6 +292,15 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
     per = tl.cdiv(n_pages, num_splits)
     page_lo = first_page + split * per
     page_hi = tl.minimum(page_lo + per, first_page + n_pages)
+    step_lo = page_lo * SUB
+    step_hi = tl.maximum(page_hi * SUB, step_lo)
+    # inner steps: all rows inside [lo, hi) (steps run in position order); a
+    # page's partial last step ends at the page, so it is inner only if hi
+    # lies past that page
+    first_inner = (lo // KB) * SUB + tl.cdiv(lo % KB, TILE)
+    last_inner = (hi // KB) * SUB + (hi % KB) // TILE
+    inner_lo = tl.minimum(tl.maximum(first_inner, step_lo), step_hi)
+    inner_hi = tl.minimum(tl.maximum(last_inner, inner_lo), step_hi)
 
     m_i = tl.full([GP], float("-inf"), tl.float32)
     l_i = tl.zeros([GP], tl.float32)
@@ -212,81 +310,20 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
     a1 = tl.zeros([D4, GP], tl.float32)
     a2 = tl.zeros([D4, GP], tl.float32)
     a3 = tl.zeros([D4, GP], tl.float32)
-    step_lo = page_lo * SUB
-    step_hi = page_hi * SUB
-    for step in tl.range(step_lo, step_hi, num_stages=NSTAGE):
+    for step in tl.range(step_lo, inner_lo, num_stages=2):
+        m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
+            step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
+            row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, True)
+    for step in tl.range(inner_lo, inner_hi, num_stages=NSTAGE):
         # a step's addresses come from the loop index alone, so Triton keeps
         # several steps' code and scale copies in flight (num_stages)
-        page, r0 = page_step(step, KB, TILE)
-        pbase = _page_base(row, page, H, h, D, NG, KB, STATE_BLOCKS)
-        r = r0 + tk  # key rows in the page
-        ks_a, km_a, vs_a, vm_a = _load_pairs(cache_i32, pbase, r, 0, D, NG, KB, PARTIAL, ASM)
-        k_at = cache_u8 + pbase + r0 * D4 + code_off
-        v_at = cache_u8 + pbase + KB * D4 + r0 + vcode_off
-        pos = page * KB + r
-        ok = (pos >= lo) & (pos < hi)
-        if PARTIAL:
-            ok = ok & (r < KB)
-            kc = tl.load(k_at, mask=(r < KB)[:, None], other=0)
-            vc = tl.load(v_at, mask=(r0 + t < KB)[None, :], other=0)
-        else:
-            kc = tl.load(k_at)
-            vc = tl.load(v_at)
-        if ASM:
-            k0, k1, k2, k3 = _quarters_asm(kc)
-        else:
-            kq = kc.to(tl.int16)
-            k0 = _quarter(kq, 0)
-            k1 = _quarter(kq, 1)
-            k2 = _quarter(kq, 2)
-            k3 = _quarter(kq, 3)
-        if NG == 1:
-            acc = tl.dot(k0, q0)
-            acc = tl.dot(k1, q1, acc)
-            acc = tl.dot(k2, q2, acc)
-            acc = tl.dot(k3, q3, acc)
-            s = ks_a[:, None] * acc + km_a[:, None] * qs_a[None, :]
-        else:
-            ks_b, km_b, vs_b, vm_b = _load_pairs(cache_i32, pbase, r, 1, D, NG, KB, PARTIAL, ASM)
-            acc_a = tl.dot(k0, q0)
-            acc_a = tl.dot(k1, q1, acc_a)
-            acc_b = tl.dot(k2, q2)
-            acc_b = tl.dot(k3, q3, acc_b)
-            s = (ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
-                 + ks_b[:, None] * acc_b + km_b[:, None] * qs_b[None, :])
-        s = tl.where(ok[:, None], s, float("-inf"))
-        # online softmax on 2^24 s (the scale enters the exp's argument, one FMA)
-        m_new = tl.maximum(m_i, tl.max(s, axis=0) * 16777216.0)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s * 16777216.0 - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-
-        # rows past the range may hold stale bytes: keep them out of p * s
-        vs_a = tl.where(ok, vs_a, 0.0)
-        vm_a = tl.where(ok, vm_a, 0.0)
-        pa = (p * vs_a[:, None]).to(tl.float16)
-        mins_a = mins_a * alpha + tl.sum(p * vm_a[:, None], axis=0)
-        if NG == 1:
-            pb = pa
-        else:
-            vs_b = tl.where(ok, vs_b, 0.0)
-            vm_b = tl.where(ok, vm_b, 0.0)
-            pb = (p * vs_b[:, None]).to(tl.float16)
-            mins_b = mins_b * alpha + tl.sum(p * vm_b[:, None], axis=0)
-        if ASM:
-            v0, v1, v2, v3 = _quarters_asm(vc)
-        else:
-            vq = vc.to(tl.int16)
-            v0 = _quarter(vq, 0)
-            v1 = _quarter(vq, 1)
-            v2 = _quarter(vq, 2)
-            v3 = _quarter(vq, 3)
-        a0 = tl.dot(v0, pa, a0 * alpha[None, :])
-        a1 = tl.dot(v1, pa, a1 * alpha[None, :])
-        a2 = tl.dot(v2, pb, a2 * alpha[None, :])
-        a3 = tl.dot(v3, pb, a3 * alpha[None, :])
+        m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
+            step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
+            row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, False)
+    for step in tl.range(inner_hi, step_hi, num_stages=2):
+        m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
+            step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
+            row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, True)
 
     if NG == 1:
         mins_b = mins_a
@@ -387,7 +424,8 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, parts, HQ: tl.c
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
     """INT2 splits per (request, KV head): at most 32 programs per SM (an SM
-    holds 12 one-warp programs at the default launch, 168 registers a thread),
+    holds 11 one-warp programs at the default launch: 168 registers a thread,
+    19 KB of shared memory a program),
     each slice at least four pages long (the prologue and the merge stay small
     against the pages read). On the H200, batch 32 at 100K tokens took
     0.59-0.62 ms at every count from 8 to 64 (benchmarks/oscar_kernels.py, its
