@@ -315,8 +315,9 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
             step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
             row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, True)
     for step in tl.range(inner_lo, inner_hi, num_stages=NSTAGE):
-        # a step's addresses come from the loop index alone, so Triton keeps
-        # several steps' code and scale copies in flight (num_stages)
+        # a step's addresses come from the loop index alone, so Triton copies
+        # the next step's codes and scales while this one is read, and reads
+        # the block table further ahead (num_stages)
         m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
             step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
             row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, False)
