@@ -179,8 +179,8 @@ def _patch_gdn_model_classes(module, names) -> None:
     """vLLM sizes hybrid pages from these class methods, before any layer exists."""
     import torch
 
-    from vllm_kvq import settings as kvq_settings
-    from vllm_kvq.backends.state_pool import pool_plan
+    from vllm_kvq.backends import settings as kvq_settings
+    from vllm_kvq.backends.resolve import pool_plan
 
     def plan_of(vllm_config):
         s = kvq_settings.from_vllm_config(vllm_config)

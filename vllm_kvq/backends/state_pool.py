@@ -25,100 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vllm_kvq import settings as kvq_settings
-from vllm_kvq.artifacts.fingerprint import model_fingerprint, text_config
+from vllm_kvq.backends import settings as kvq_settings
+from vllm_kvq.backends.resolve import pool_plan
 from vllm_kvq.kernels.stepquant import reference as codec
-from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout
-
-RECORD_ALIGN = 16
-
-
-def gdn_layers(hf_config) -> list[int]:
-    cfg = text_config(hf_config)
-    types = getattr(cfg, "layer_types", None) or []
-    return [i for i, t in enumerate(types) if t == "linear_attention"]
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """Widths and impacts of every GDN layer (all heads, before TP), and the
-    one record size every layer and rank declares."""
-
-    bits: dict  # layer -> tuple of widths, len HV
-    impact: dict  # layer -> [HV, K] float32 (ones for the uniform pool)
-    fit: str
-    k_dim: int
-    v_dim: int
-    num_v_heads: int
-    record_bytes: int
-    source: str
-
-    def local(self, layer: int, tp_size: int, tp_rank: int) -> tuple[StateLayout, torch.Tensor]:
-        per = self.num_v_heads // tp_size
-        heads = slice(tp_rank * per, (tp_rank + 1) * per)
-        layout = StateLayout(self.bits[layer][heads], self.k_dim, self.v_dim, self.record_bytes)
-        return layout, self.impact[layer][heads].contiguous()
-
-    def fp32_bytes(self, tp_size: int) -> int:
-        return 4 * (self.num_v_heads // tp_size) * self.k_dim * self.v_dim
-
-
-def pool_plan(settings: kvq_settings.OscarSettings, hf_config, tp_size: int) -> PoolPlan | None:
-    """The plan for this model, or None when the pool stays native."""
-    if settings.state is None:
-        return None
-    fingerprint = json.dumps(model_fingerprint(hf_config), sort_keys=True)
-    cfg = text_config(hf_config)
-    shape = tuple(int(getattr(cfg, n, 0) or 0) for n in
-                  ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
-    return _plan(settings, fingerprint, tuple(gdn_layers(hf_config)), shape, tp_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _plan(settings, fingerprint_json: str, layers: tuple, shape: tuple, tp_size: int) -> PoolPlan:
-    hv, k, v = shape
-    if not layers or not hv:
-        raise ValueError(
-            "kvq.state quantizes gated-delta-net states, and this model has no GDN layers "
-            "(Qwen3-Next / Qwen3.5 class models have them); drop kvq.state"
-        )
-    if hv % tp_size:
-        raise ValueError(f"{hv} GDN value heads do not split over tensor_parallel_size {tp_size}")
-    if settings.state == "uniform":
-        bits = {layer: (settings.state_bits,) * hv for layer in layers}
-        impact = {layer: torch.ones(hv, k) for layer in layers}
-        fit, source = "rowwise", f"uniform {settings.state_bits}-bit"
-    else:
-        from vllm_kvq.artifacts import ArtifactError
-        from vllm_kvq.artifacts.stepquant import StepQuantPlan
-
-        plan = StepQuantPlan.load(settings.state_artifact, json.loads(fingerprint_json))
-        where = f"STEPQuant plan {settings.state_artifact}"
-        if (plan.num_v_heads, plan.k_dim, plan.v_dim) != (hv, k, v):
-            raise ArtifactError(
-                f"{where} is for {plan.num_v_heads} value heads of {plan.k_dim}x{plan.v_dim}, the model "
-                f"has {hv} of {k}x{v}; calibrate this model with `vllm-kvq calibrate --stepquant`"
-            )
-        if sorted(plan.layers) != sorted(layers):
-            raise ArtifactError(f"{where} covers layers {plan.layers}, the model's GDN layers are {list(layers)}")
-        if settings.state_bits not in plan.budgets:
-            raise ArtifactError(f"{where} has budgets {plan.budgets}, not kvq.state_bits={settings.state_bits}")
-        bits = {layer: tuple(int(b) for b in plan.head_bits(settings.state_bits, layer)) for layer in layers}
-        impact = {layer: plan.impact(layer).float() for layer in layers}
-        fit, source = "stepquant", f"{settings.state_artifact} @{settings.state_bits}"
-    per = hv // tp_size
-    size = max(StateLayout(b[r * per:(r + 1) * per], k, v).packed_bytes
-               for b in bits.values() for r in range(tp_size))
-    size = -(-size // RECORD_ALIGN) * RECORD_ALIGN
-    return PoolPlan(bits, impact, fit, k, v, hv, size, source)
-
+from vllm_kvq.kernels.stepquant.format import StateLayout
 
 # ---------------------------------------------------------------------------
 # Per-layer state

@@ -1,4 +1,4 @@
-"""Import the OSCAR authors' RotationZoo ``.pt`` files into schema v1.
+"""Import the OSCAR authors' RotationZoo ``.pt`` files into an OSCAR INT2 artifact.
 
 The files hold plain dicts of tensors (``format_version`` 1: one ``[D, D]``
 rotation per layer; 2: ``[H_kv, D, D]`` per KV head). They are read with

@@ -42,6 +42,9 @@ from dataclasses import dataclass
 
 WIDTHS = (2, 4, 6, 8)
 PIVOT = 16
+"""The width of an FP16 "pivot" head (a plan's budget counts it as 8 bits)."""
+BUDGETS = (6, 4)
+"""The nominal bits per value a STEPQuant plan allocates for."""
 INT2_GROUP = 32
 
 
