@@ -97,7 +97,7 @@ def prompts():
 def test_oscar_under_the_ray_executor(ray_cluster, greedy, prompts):
     """Each Ray rank loads the plugin, folds R_V and holds its own KV head's
     rotations from the per-KV-head artifact; tokens equal the mp executor's."""
-    kvq = {"artifact": str(OSCAR_ARTIFACT), "sink": SINK, "window": WINDOW}
+    kvq = {"artifact": str(OSCAR_ARTIFACT), "sink": SINK, "window": WINDOW, "override_artifact": True}
     kw = dict(oscar=kvq, dtype="float32")
     ranks, got = generate(greedy, prompts, "ray", oscar_layers, **kw)
     mp_ranks, ref = generate(greedy, prompts, "mp", oscar_layers, **kw)
