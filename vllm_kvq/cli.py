@@ -178,9 +178,8 @@ def report(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     import shlex
 
-    from vllm_kvq.report import parse_bytes, require_matplotlib, write_report
+    from vllm_kvq.report import parse_bytes, write_report
 
-    require_matplotlib()
     try:  # ArtifactError is a ValueError
         budgets = [parse_bytes(b) for b in a.kv_budget]
         print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv])))

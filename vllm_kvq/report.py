@@ -6,8 +6,8 @@ accounting, replayed here without starting an engine:
 * **Block size.** Dense models: the CPU build's 128 tokens (OSCAR asks for at
   least 128 on every platform). Hybrids: vLLM grows the attention block until
   one attention page (its one-token bytes times the block) holds a GDN state
-  page, in steps of the block it started from, and pads the state page to it;
-  with ``kvq.state`` the start is the backend's smallest kernel block.
+  page, in steps of the block it started from (128, or with ``kvq.state`` the
+  backend's smallest kernel block), and pads the state page to it.
 * **Blocks.** ``num_blocks = budget // (layers per KV-cache group x page)``;
   vLLM cuts the layers of each type into groups of equal size.
 * **Capacity.** A request at ``L`` tokens holds ``ceil(L / block) + R``
@@ -23,6 +23,7 @@ there too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -61,6 +62,7 @@ class PageNumbers:
 
 
 def page_numbers(head_size: int, block_size: int, settings: OscarSettings) -> PageNumbers:
+    """Every OSCAR, tiered or KIVI page number of the report comes through here."""
     from vllm_kvq.kernels.formats import page_format
 
     fmt = page_format(head_size, block_size, settings)
@@ -195,7 +197,7 @@ class Layout:
     @property
     def state_bytes_per_request(self) -> int:
         """Every GDN layer's page as vLLM allocates it (padding included)."""
-        return self.model.gdn_layers * self.page_bytes if self.model.gdn_layers else 0
+        return self.model.gdn_layers * self.page_bytes
 
 
 def layout(model: ModelShape, attention: AttentionFormat, state: StateFormat | None = None) -> Layout:
@@ -228,7 +230,7 @@ class Inputs:
     states: list[StateFormat]  # empty for dense models
     artifacts: list[Path]  # every artifact named on the command line
 
-    @property
+    @functools.cached_property
     def layouts(self) -> list[Layout]:
         if not self.model.gdn_layers:
             return [layout(self.model, a) for a in self.attention]
@@ -260,7 +262,8 @@ def load_inputs(model_dir: str, artifacts: list[str]) -> Inputs:
     for art in artifacts:
         if artifact_kind(art) == "stepquant":
             if not model.gdn_layers:
-                raise ArtifactError(f"{art} is a STEPQuant state plan, and {model.name} has no GDN layers")
+                raise ArtifactError(f"{art} is a STEPQuant state plan, and {model.name} has no GDN layers; "
+                                    "drop that --artifact")
             plans.append((art, StepQuantPlan.load(art, fingerprint)))
             continue
         loaded = OscarArtifact.load(art, fingerprint)
