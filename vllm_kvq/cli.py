@@ -9,6 +9,8 @@
 * ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
 * ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
   the OSCAR authors' RotationZoo files.
+* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...]``
+  writes a markdown page and PNG plots of what the cache formats hold on MODEL.
 """
 
 from __future__ import annotations
@@ -163,7 +165,30 @@ def import_zoo(argv: list[str]) -> None:
     print(summary(art))
 
 
-COMMANDS = {"serve": serve, "calibrate": calibrate, "inspect": inspect, "import-zoo": import_zoo}
+def report(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(
+        prog="vllm-kvq report",
+        description="KV capacity, bits per element, GDN state memory and measured accuracy of BF16, OSCAR INT2 "
+                    "and the given artifacts on one model, from the page formats (markdown and PNG plots).")
+    ap.add_argument("model", help="checkpoint directory (transformers format)")
+    ap.add_argument("--artifact", action="append", default=[],
+                    help="an OSCAR, tiered or STEPQuant artifact of this model (repeat for several)")
+    ap.add_argument("--out", default="report", help="directory for MODEL.md and its plots (default: report)")
+    ap.add_argument("--kv-budget", nargs="+", default=["1GiB"], metavar="BYTES",
+                    help="KV-cache memory budgets: bytes, or with KiB/MiB/GiB (default 1GiB)")
+    a = ap.parse_args(argv)
+    import shlex
+
+    from vllm_kvq.report import parse_bytes, write_report
+
+    try:  # ArtifactError is a ValueError
+        budgets = [parse_bytes(b) for b in a.kv_budget]
+        print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv])))
+    except ValueError as e:
+        ap.error(str(e))
+
+
+COMMANDS = {"serve": serve, "calibrate": calibrate, "inspect": inspect, "import-zoo": import_zoo, "report": report}
 
 
 def main(argv: list[str] | None = None) -> None:
