@@ -30,7 +30,7 @@ def qwen3next():
     return layouts(*QWEN3NEXT)
 
 
-TIERED = "tiered (K 48x4 + 80x2, V 16x4 + 48x2 + 64 not stored)"
+TIERED = "tiered (k=48x4,80x2;v=16x4,48x2,64x0)"
 
 
 def test_page_numbers_are_the_worked_sizes(qwen3):

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from vllm_kvq.settings import OscarSettings
+from vllm_kvq.backends.settings import OscarSettings
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
@@ -63,7 +63,7 @@ class PageNumbers:
 
 def page_numbers(head_size: int, block_size: int, settings: OscarSettings) -> PageNumbers:
     """Every OSCAR, tiered or KIVI page number of the report comes through here."""
-    from vllm_kvq.kernels.formats import page_format
+    from vllm_kvq.backends.resolve import page_format
 
     fmt = page_format(head_size, block_size, settings)
     return PageNumbers(fmt.bytes_per_token, fmt.state_blocks, fmt.block_bytes, fmt.bits_per_element)
@@ -140,7 +140,7 @@ class StateFormat:
     def recurrent_bytes(self, model: ModelShape) -> int:
         if self.settings is None:
             return model.gdn_fp32_bytes
-        from vllm_kvq.backends.state_pool import pool_plan
+        from vllm_kvq.backends.resolve import pool_plan
 
         return pool_plan(self.settings, self.hf_config, 1).record_bytes
 
@@ -238,10 +238,9 @@ class Inputs:
 
 
 def tiers_label(tiers: dict) -> str:
-    def side(t):
-        return " + ".join(f"{w}x{b}" if b else f"{w} not stored" for w, b in t)
-
-    return f"K {side(tiers['k'])}, V {side(tiers['v'])}"
+    """One layer's plan (``k=48x4,80x2;v=...``), or that the layers differ."""
+    plans = set(tiers.values())
+    return str(next(iter(plans))) if len(plans) == 1 else f"{len(plans)} plans over the layers"
 
 
 def load_inputs(model_dir: str, artifacts: list[str]) -> Inputs:
@@ -249,7 +248,7 @@ def load_inputs(model_dir: str, artifacts: list[str]) -> Inputs:
     from transformers import AutoConfig
 
     from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
-    from vllm_kvq.artifacts.schema import artifact_kind
+    from vllm_kvq.artifacts.container import kind_of
     from vllm_kvq.artifacts.stepquant import StepQuantPlan
 
     path = Path(model_dir)
@@ -260,7 +259,7 @@ def load_inputs(model_dir: str, artifacts: list[str]) -> Inputs:
     fingerprint = model_fingerprint(hf_config)
     oscar, tiered, plans = None, [], []
     for art in artifacts:
-        if artifact_kind(art) == "stepquant":
+        if kind_of(art) == "stepquant":
             if not model.gdn_layers:
                 raise ArtifactError(f"{art} is a STEPQuant state plan, and {model.name} has no GDN layers; "
                                     "drop that --artifact")
@@ -274,8 +273,7 @@ def load_inputs(model_dir: str, artifacts: list[str]) -> Inputs:
         else:
             raise ValueError(f"two OSCAR INT2 artifacts ({oscar}, {art}) give the same pages; pass one")
     attention = [AttentionFormat("BF16"), AttentionFormat("OSCAR INT2", OscarSettings(artifact=oscar))]
-    attention += [AttentionFormat(f"tiered ({tiers_label(t)})", OscarSettings(scheme="tiered", artifact=art))
-                  for art, t in tiered]
+    attention += [AttentionFormat(f"tiered ({tiers_label(t)})", OscarSettings(artifact=art)) for art, t in tiered]
     states = []
     if model.gdn_layers:
         states.append(FP32_STATE)
@@ -468,7 +466,7 @@ def markdown(inputs: Inputs, budgets: list[int], command: str, images: dict) -> 
            "the capacities are what vLLM reports as \"KV cache size\" and \"Maximum concurrency\" when started with "
            "`max_model_len` = the context length and `kv_cache_memory_bytes` = the budget. Assumed: one device "
            "(tensor parallel size 1), model and BF16 KV cache in bfloat16, prefix caching off (OSCAR and the GDN "
-           "state pool turn it off), the block sizes vLLM's CPU build picks, default `kvq` settings (group 128, "
+           "state pool turn it off), the block sizes vLLM's CPU build picks, default `kvq` settings ("
            "sink 64, window 256).", ""]
     shape = f"{m.attention_layers} full-attention layers x {m.kv_heads} KV heads x head size {m.head_size}"
     if m.gdn_layers:
