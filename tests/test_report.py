@@ -72,7 +72,7 @@ ENGINES = {
 
 
 def engine_figures(label: str) -> dict:
-    from vllm_kvq.backends.state_pool import allocated_state_bytes
+    from evalkit.probe import allocated_state_bytes
 
     (model, _), kwargs, max_len, budget = ENGINES[label]
     os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function

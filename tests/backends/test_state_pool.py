@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO, make_llm, needles, shutdown
 from vllm_kvq.artifacts.stepquant import StepQuantPlan
-from vllm_kvq.backends.state_pool import allocated_state_bytes
+from evalkit.probe import allocated_state_bytes
 
 pytestmark = pytest.mark.slow
 PLAN = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"

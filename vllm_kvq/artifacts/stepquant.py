@@ -27,10 +27,9 @@ import torch
 
 from vllm_kvq.artifacts import container
 from vllm_kvq.artifacts.container import MANIFEST, ArtifactError
-from vllm_kvq.kernels.stepquant.format import PIVOT, WIDTHS, StateLayout
+from vllm_kvq.kernels.stepquant.format import PIVOT, PIVOT_BUDGET_BITS, WIDTHS, StateLayout
 
 KIND = "stepquant"
-PIVOT_BUDGET_BITS = 8
 DISTORTION_WIDTHS = WIDTHS  # columns of distortion.<layer>
 GEO_MEAN_TOL = 1e-3
 
