@@ -6,9 +6,9 @@ the cache as a generated token would. Writes
 ``benchmarks/results/accuracy-<model>.json`` and ``docs/accuracy.md`` (every
 model's table).
 
-    python benchmarks/accuracy.py                      # both house models' tables in docs/accuracy.md
-    python benchmarks/accuracy.py --model examples/models/house-qwen2 --variants NAME ...
-    python benchmarks/accuracy.py --render-only        # docs/accuracy.md from the saved JSON
+    python -m benchmarks.accuracy                      # both house models' tables in docs/accuracy.md
+    python -m benchmarks.accuracy --model examples/models/house-qwen2 --variants NAME ...
+    python -m benchmarks.accuracy --render-only        # docs/accuracy.md from the saved JSON
 
 A model directory with a ``tokenizer/`` folder (house-qwen2) uses that tokenizer.
 """
@@ -16,17 +16,12 @@ A model directory with a ``tokenizer/`` folder (house-qwen2) uses that tokenizer
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
-import math
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's vllm_kvq, also in vLLM's engine processes
-SHARED = REPO.parent / "shared"
-BUCKETS = [(0, 1024, "<1k"), (1024, 2048, "1-2k"), (2048, 3072, "2-3k"), (3072, 4097, "3-4k")]
+from evalkit.data import REPO, needle_scores, needle_set, perplexity, ppl_windows, tokenizer, tokenizer_path
+from evalkit.markdown import table
 
 def variants(model: str) -> dict[str, dict | None]:
     """The table's rows; OSCAR rows use ``examples/artifacts/<model>-oscar[-layer]``."""
@@ -63,21 +58,6 @@ def bits_per_element(kvq: dict | None, head_size: int = 128) -> float:
 
     fmt = page_format(head_size, 128, OscarSettings.from_dict(kvq))
     return 8.0 * fmt.bytes_per_token / (2 * head_size)
-
-
-def needle_set(per_bucket: int, buckets: list = BUCKETS) -> list[dict]:
-    """The first ``per_bucket`` dev needles of each prompt-length bucket."""
-    rows = [json.loads(line) for line in (SHARED / "eval" / "needles-dev.jsonl").open()]
-    chosen = []
-    for lo, hi, _ in buckets:
-        chosen += [r for r in rows if lo <= r["prompt_tokens"] < hi][:per_bucket]
-    return chosen
-
-
-def ppl_windows(tokenizer, count: int, length: int = 4000) -> list[list[int]]:
-    text = gzip.open(SHARED / "eval" / "code-dev.txt.gz", "rt").read()
-    ids = tokenizer(text[: 400 * length * count])["input_ids"]
-    return [ids[i * length : (i + 1) * length] for i in range(count) if (i + 1) * length <= len(ids)]
 
 
 GUARD_TOKENS = 4500
@@ -117,20 +97,12 @@ def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[li
               enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, seed=0, **kw)
     t0 = time.time()
     outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0))
-    hits = [o.outputs[0].text.startswith(r["answer"][:4]) for o, r in zip(outs, needles)]
-    by_bucket = {}
-    for lo, hi, name in BUCKETS:
-        sel = [h for h, r in zip(hits, needles) if lo <= r["prompt_tokens"] < hi]
-        by_bucket[name] = sum(sel) / len(sel) if sel else float("nan")
+    scores = needle_scores([o.outputs[0].text for o in outs], needles)
     ppl_out = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
                                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    nll, n = 0.0, 0
-    for o, w in zip(ppl_out, windows):
-        for i, entry in enumerate(o.prompt_logprobs[1:], start=1):
-            nll -= entry[w[i]].logprob
-            n += 1
-    result = {"needle_acc": sum(hits) / len(hits), "needle_by_bucket": by_bucket,
-              "ppl": math.exp(nll / n), "ppl_tokens": n, "needles": len(hits), "seconds": time.time() - t0}
+    ppl, n = perplexity(ppl_out, windows)
+    result = {"needle_acc": scores["needle_acc"], "needle_by_bucket": scores["needle_by_bucket"],
+              "ppl": ppl, "ppl_tokens": n, "needles": len(needles), "seconds": time.time() - t0}
     llm.llm_engine.engine_core.shutdown()
     del llm
     return result
@@ -144,21 +116,18 @@ def model_table(results: dict, args) -> list[str]:
         f"dtype {args.dtype}; {args.needles_per_bucket} needles per length bucket; {args.ppl_windows} perplexity "
         f"windows of 4000 tokens; prefill chunks of at most {args.chunk} tokens.",
         "",
-        "| variant | bits/element | needles | <1k | 1-2k | 2-3k | 3-4k | needles / bf16 | perplexity | ppl vs bf16 |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rows = variants(args.model)
+    variant_rows, rows = variants(args.model), []
     for name, r in results.items():
-        bits = bits_per_element(rows.get(name))
         b = r["needle_by_bucket"]
-        if name == "bf16" and args.dtype != "bfloat16":
-            name = f"unquantized KV ({args.dtype})"
         rel = r["needle_acc"] / base["needle_acc"] if base["needle_acc"] else float("nan")
-        lines.append(
-            f"| {name} | {bits:.3f} | {r['needle_acc']:.3f} | {b['<1k']:.2f} | {b['1-2k']:.2f} | {b['2-3k']:.2f} | "
-            f"{b['3-4k']:.2f} | {rel:.1%} | {r['ppl']:.3f} | {r['ppl'] / base['ppl'] - 1:+.2%} |"
-        )
-    return lines + [""]
+        rows.append([f"unquantized KV ({args.dtype})" if name == "bf16" and args.dtype != "bfloat16" else name,
+                     f"{bits_per_element(variant_rows.get(name)):.3f}", f"{r['needle_acc']:.3f}",
+                     *(f"{b[k]:.2f}" for k in ("<1k", "1-2k", "2-3k", "3-4k")), f"{rel:.1%}", f"{r['ppl']:.3f}",
+                     f"{r['ppl'] / base['ppl'] - 1:+.2%}"])
+    header = ["variant", "bits/element", "needles", "<1k", "1-2k", "2-3k", "3-4k", "needles / bf16", "perplexity",
+              "ppl vs bf16"]
+    return lines + table(header, rows) + [""]
 
 
 def _delta(results: dict, name: str) -> str:
@@ -199,9 +168,9 @@ def write_markdown(path: Path) -> None:
         "tokens), the first N per length bucket, hit = greedy continuation starts with `answer[:4]`. "
         "Perplexity: windows of 4000 tokens of the held-out development code, from `prompt_logprobs`.",
         "",
-        "Regenerate both models' tables: `python benchmarks/accuracy.py` (one model: `--model "
+        "Regenerate both models' tables: `python -m benchmarks.accuracy` (one model: `--model "
         "examples/models/MODEL`; some rows: `--variants NAME ...`); the numbers below are from that "
-        "command with its defaults, the calibration times from `benchmarks/calibration_time.py`; "
+        "command with its defaults, the calibration times from `python -m benchmarks.calibration_time`; "
         "`--render-only` rewrites this page from the saved results.",
         "",
     ]
@@ -250,20 +219,19 @@ def write_markdown(path: Path) -> None:
             "",
             "`vllm-kvq calibrate`, the whole command (process start to artifact written: imports, "
             "tokenization, checkpoint load, both capture passes, fitting), from "
-            "`python benchmarks/calibration_time.py` (CPU) and `python benchmarks/calibration_time.py "
+            "`python -m benchmarks.calibration_time` (CPU) and `python -m benchmarks.calibration_time "
             "--random-shape qwen3-8b --device cuda --dtype bfloat16 ...` (GPU: a random-weight model of "
             "Qwen3-8B's shape, written before the clock starts). The load average shows whether other "
             "jobs shared the CPUs. Targets: house-qwen3 under 2 minutes on CPU; Qwen3-8B shape at about "
             "30K tokens within 5 minutes on the H200.",
             "",
-            "| model | device | dtype | clip | tokens | wall time | CPU time (user + sys) | load average before / after |",
-            "|---|---|---|---|---|---|---|---|",
         ]
-        for r in json.loads(timing.read_text()):
-            lines.append(f"| {r['model']} | {r.get('device', 'CPU')} | {r.get('dtype', 'float32')} | {r['clip']} | "
-                         f"{r['tokens']:,} | {r['wall_s']:.0f} s | {r.get('cpu_s', float('nan')):.0f} s | "
-                         f"{r['load_before']} / {r.get('load_after', '?')} |")
-        lines.append("")
+        header = ["model", "device", "dtype", "clip", "tokens", "wall time", "CPU time (user + sys)",
+                  "load average before / after"]
+        lines += table(header, [[r["model"], r.get("device", "CPU"), r.get("dtype", "float32"), r["clip"],
+                                 f"{r['tokens']:,}", f"{r['wall_s']:.0f} s", f"{r.get('cpu_s', float('nan')):.0f} s",
+                                 f"{r['load_before']} / {r.get('load_after', '?')}"]
+                                for r in json.loads(timing.read_text())]) + [""]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -274,11 +242,8 @@ def run_model(args: argparse.Namespace) -> None:
     args.variants = args.variants or list(rows)
     args.json = str(REPO / "benchmarks" / "results" / f"accuracy-{Path(args.model).name}.json")
 
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
     needles = needle_set(args.needles_per_bucket)
-    windows = ppl_windows(tok, args.ppl_windows)
+    windows = ppl_windows(tokenizer(args.model), args.ppl_windows)
     saved = Path(args.json)
     # a subset of variants updates those rows and keeps the others
     results = json.loads(saved.read_text())["results"] if saved.exists() else {}
@@ -306,9 +271,8 @@ def main() -> None:
         write_markdown(Path(args.markdown))
         return
     for model in args.model or [str(REPO / "examples" / "models" / m) for m in ("house-qwen3", "house-qwen2")]:
-        tokenizer = Path(model) / "tokenizer"
-        run_model(argparse.Namespace(**{**vars(args), "model": model,
-                                        "tokenizer": str(tokenizer) if tokenizer.is_dir() else None}))
+        tok = tokenizer_path(model)
+        run_model(argparse.Namespace(**{**vars(args), "model": model, "tokenizer": tok if tok != model else None}))
     write_markdown(Path(args.markdown))
     print(Path(args.markdown).read_text())
 

@@ -1,14 +1,14 @@
 """Wall time of ``vllm-kvq calibrate``, the whole command (process start,
 imports, tokenization, checkpoint load, capture, fitting, writing the artifact).
 
-    python benchmarks/calibration_time.py                 # house-qwen3 on CPU
-    python benchmarks/calibration_time.py --random-shape qwen3-8b --device cuda \\
+    python -m benchmarks.calibration_time                 # house-qwen3 on CPU
+    python -m benchmarks.calibration_time --random-shape qwen3-8b --device cuda \\
         --dtype bfloat16 --tokenizer DIR --data FILE      # a GPU at Qwen3-8B shape
 
 The second form first writes a random-weight checkpoint of that shape (weights
 do not change the work; the time to write it is not counted). Results are
 merged into ``benchmarks/results/calibration-time.json`` (one row per model,
-device and clip); ``benchmarks/accuracy.py`` renders them into docs/accuracy.md.
+device and clip); ``benchmarks.accuracy`` renders them into docs/accuracy.md.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-DATA = REPO.parent / "shared" / "eval" / "code-dev.txt.gz"
+from evalkit.data import CODE, REPO
+
 RESULTS = REPO / "benchmarks" / "results" / "calibration-time.json"
 
 SHAPES = {  # transformers Qwen3 config fields of the published checkpoints
@@ -85,7 +85,7 @@ def main() -> None:
     ap.add_argument("--model", default="examples/models/house-qwen3")
     ap.add_argument("--random-shape", choices=sorted(SHAPES), help="time a random-weight model of this shape")
     ap.add_argument("--tokenizer", help="tokenizer directory (needed with --random-shape)")
-    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--data", default=str(CODE))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--clips", nargs="*", default=["fixed"])

@@ -9,7 +9,7 @@ specialisations a real launch gets (16-byte aligned pointers and strides);
 the report gives registers, spill bytes, the static SASS count, and the
 instructions of each loop body (one trip).
 
-    python benchmarks/kernel_sass.py [--kernels rows fit decode store] [--bits 6 4] [--json PATH]
+    python -m benchmarks.kernel_sass [--kernels rows fit decode store] [--bits 6 4] [--json PATH]
 
 The counts depend on the Triton version: the test extra pins the GPU
 machine's (3.6).

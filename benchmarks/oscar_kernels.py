@@ -17,7 +17,7 @@
   allows for each cache, from measured attention (the fastest BF16 decode for
   BF16), store and GEMM times.
 
-    python benchmarks/oscar_kernels.py [--quick] [--sections extend ...]
+    python -m benchmarks.oscar_kernels [--quick] [--sections extend ...]
 
 Writes ``benchmarks/results/oscar_kernels.json`` and ``docs/kernels.md`` (or
 ``$OUT``).
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import math
 import os
 import time
@@ -37,6 +36,7 @@ import torch
 import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
+from evalkit.markdown import splice, table
 from vllm_kvq.kernels.oscar import reference as ref
 from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention, default_launch, num_splits
@@ -420,27 +420,33 @@ def launch_sweep_lines(res: dict) -> list[str]:
     rows = res.get("launch_sweep", [])
     if not rows:
         return []
-    lines = ["", "Other launches in the same run (100K tokens; `*` the default, which the table above uses):", "",
-             "| Hq | warps/stages/tile | batch 32 ms | batch 1 ms |", "|---|---|---|---|"]
+    cells = []
     for hq in sorted({r["hq"] for r in rows}):
         default = default_launch(hq // 8, 128)
         for lc in LAUNCHES:
             ms = {r["batch"]: r["ms"] for r in rows if r["hq"] == hq and all(r[k] == v for k, v in lc.items())}
             mark = " *" if all(default[k] == v for k, v in lc.items()) else ""
-            lines.append(f"| {hq} | {lc['num_warps']}/{lc['num_stages']}/{lc['tile']}{mark} |"
-                         f" {ms.get(32, float('nan')):.3f} | {ms.get(1, float('nan')):.3f} |")
-    return lines
+            cells.append([hq, f"{lc['num_warps']}/{lc['num_stages']}/{lc['tile']}{mark}",
+                          f"{ms.get(32, float('nan')):.3f}", f"{ms.get(1, float('nan')):.3f}"])
+    return ["", "Other launches in the same run (100K tokens; `*` the default, which the table above uses):", "",
+            *table(["Hq", "warps/stages/tile", "batch 32 ms", "batch 1 ms"], cells)]
 
 
 BF16_NAMES = ["sdpa cudnn", "sdpa efficient", "sdpa flash", "vllm TRITON_ATTN"]
 
 
+def gbps(x: dict, bw: float) -> str:
+    """A timing's bandwidth and its share of the read bandwidth."""
+    return f"{x['gbps']:.0f} ({100 * x['gbps'] / bw:.0f}%)"
+
+
 def render(res: dict) -> str:
     bw = res["read_bandwidth_gbps"]
+    shape = lambda r: f"{r['hq']}/{r['hkv']}/{r['d']}"  # noqa: E731
     lines = [
         "# OSCAR kernels on the H200",
         "",
-        f"Measured by `python benchmarks/oscar_kernels.py` on {res['device']} ({res['date']}).",
+        f"Measured by `python -m benchmarks.oscar_kernels` on {res['device']} ({res['date']}).",
         f"Device read bandwidth measured in the same run (a 4 GiB reduction): **{bw:.0f} GB/s**.",
         "",
         "## Decode attention (one query token per request, per layer)",
@@ -453,50 +459,46 @@ def render(res: dict) -> str:
         " metadata builder does); the winner is named. Bandwidth = bytes each really reads / time. Rows of a few"
         " tens of microseconds (batch 1 and 8) move by up to 2x between runs.",
         "",
-        "| Hq/Hkv/D | batch | context | INT2 ms (GB/s, % of read bw) | tiers ms (GB/s, %) | tiers / INT2 |"
-        " best BF16 ms (which) | INT2 speed-up | tiers speed-up |",
-        "|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for r in res["decode"]:
         a, t = r["OSCAR INT2"], r["tiers 80 B"]
-        lines.append(
-            f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | {a['ms']:.3f} ({a['gbps']:.0f},"
-            f" {100 * a['gbps'] / bw:.0f}%) | {t['ms']:.3f} ({t['gbps']:.0f}, {100 * t['gbps'] / bw:.0f}%) |"
-            f" {t['ms'] / a['ms']:.2f} | {r['bf16_ms']:.3f} ({r['bf16']['best']}) | {a['speedup']:.2f}x |"
-            f" {t['speedup']:.2f}x |")
-    lines += ["", "Every BF16 decode timed (ms; `not run` with the reason where a backend refused):", "",
-              "| Hq/Hkv/D | batch | context | " + " | ".join(BF16_NAMES) + " |", "|---|---|---|" + "---|" * len(BF16_NAMES)]
-    for r in res["decode"]:
-        cells = [r["bf16"]["times"].get(n, "-") for n in BF16_NAMES]
-        lines.append(f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | "
-                     + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
+        rows.append([shape(r), r["batch"], f"{r['context']:,}", f"{a['ms']:.3f} ({gbps(a, bw).replace(' (', ', ')}",
+                     f"{t['ms']:.3f} ({gbps(t, bw).replace(' (', ', ')}", f"{t['ms'] / a['ms']:.2f}",
+                     f"{r['bf16_ms']:.3f} ({r['bf16']['best']})", f"{a['speedup']:.2f}x", f"{t['speedup']:.2f}x"])
+    lines += table(["Hq/Hkv/D", "batch", "context", "INT2 ms (GB/s, % of read bw)", "tiers ms (GB/s, %)",
+                    "tiers / INT2", "best BF16 ms (which)", "INT2 speed-up", "tiers speed-up"], rows)
+    lines += ["", "Every BF16 decode timed (ms; `not run` with the reason where a backend refused):", ""]
+    lines += table(["Hq/Hkv/D", "batch", "context", *BF16_NAMES],
+                   [[shape(r), r["batch"], f"{r['context']:,}",
+                     *(f"{c:.3f}" if isinstance(c, float) else c for c in (r["bf16"]["times"].get(n, "-")
+                                                                           for n in BF16_NAMES))]
+                    for r in res["decode"]])
     lines += launch_sweep_lines(res)
     if "hybrid_blocks" in res:
         hb = res["hybrid_blocks"]
         lines += ["", f"Decode at a hybrid model's block sizes (32/8/128, batch 32, 32K tokens; vLLM sizes a hybrid's"
                   " attention blocks to its state pages): the default launch, whose last step a page is partial"
                   " and masked where its step does not divide the block, against 16-token steps. Its own run"
-                  f" ({hb['date']}, read bandwidth {hb['read_bandwidth_gbps']:.0f} GB/s).", "",
-                  "| block | launch | ms | GB/s (% of read bw) |", "|---|---|---|---|"]
-        lines += [f"| {r['block_size']} | {r['launch']} | {r['ms']:.3f} | {r['gbps']:.0f}"
-                  f" ({100 * r['gbps'] / hb['read_bandwidth_gbps']:.0f}%) |"
-                  for r in hb["rows"] if r.get("op", "decode") == "decode"]
+                  f" ({hb['date']}, read bandwidth {hb['read_bandwidth_gbps']:.0f} GB/s).", ""]
+        lines += table(["block", "launch", "ms", "GB/s (% of read bw)"],
+                       [[r["block_size"], r["launch"], f"{r['ms']:.3f}", gbps(r, hb["read_bandwidth_gbps"])]
+                        for r in hb["rows"] if r.get("op", "decode") == "decode"])
         ext = [r for r in hb["rows"] if r.get("op") == "extend"]
         if ext:
             lines += ["", "Extend at the same blocks (one 512-token chunk after 32K tokens): INT2 history in the"
                       " default 64-token tiles, a page's last one partial where 64 does not divide the block,"
-                      " against 16-token tiles.", "", "| block | launch | ms |", "|---|---|---|"]
-            lines += [f"| {r['block_size']} | {r['launch']} | {r['ms']:.3f} |" for r in ext]
+                      " against 16-token tiles.", ""]
+            lines += table(["block", "launch", "ms"], [[r["block_size"], r["launch"], f"{r['ms']:.3f}"] for r in ext])
     if "splits" in res:
         sp = res["splits"]
         lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {sp['date']}, read bandwidth"
                   f" {sp['read_bandwidth_gbps']:.0f} GB/s). An SM holds 11 one-warp programs at the default launch"
                   " (168 registers, 19 KB of shared memory each); the default count (`num_splits`, marked) puts at"
-                  " most 32 INT2 programs on an SM, about three waves.", "",
-                  "| batch | context | splits | ms | GB/s (% of read bw) |", "|---|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['context']:,} | {r['splits']}{' (default)' if r['splits'] == r['default'] else ''}"
-                  f" | {r['ms']:.3f} | {r['gbps']:.0f} ({100 * r['gbps'] / sp['read_bandwidth_gbps']:.0f}%) |"
-                  for r in sp["rows"]]
+                  " most 32 INT2 programs on an SM, about three waves.", ""]
+        lines += table(["batch", "context", "splits", "ms", "GB/s (% of read bw)"],
+                       [[r["batch"], f"{r['context']:,}", f"{r['splits']}{' (default)' if r['splits'] == r['default'] else ''}",
+                         f"{r['ms']:.3f}", gbps(r, sp["read_bandwidth_gbps"])] for r in sp["rows"]])
     s = res["store"]
     lines += [
         "",
@@ -507,25 +509,24 @@ def render(res: dict) -> str:
         + f"; the kernel's default launch {s['launch']} (what serving runs)"
         + f" ({s['date']}, read bandwidth {s['read_bandwidth_gbps']:.0f} GB/s).",
         "",
-        "| pages | kernel | ms | GB/s (% of read bw) |",
-        "|---|---|---|---|",
     ]
-    for plan, row in [("OSCAR INT2", s)] + [(name, t) for name, t in s.get("tiers", {}).items()]:
-        for name in ("store_rotated", "store_unrotated"):
-            lines.append(f"| {plan} | {name} | {row[name]['ms']:.3f} | {row[name]['gbps']:.0f}"
-                         f" ({100 * row[name]['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
-    lines.append(f"| - | bf16_cache_copy | {s['bf16_cache_copy']['ms']:.3f} | {s['bf16_cache_copy']['gbps']:.0f}"
-                 f" ({100 * s['bf16_cache_copy']['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
+    rows = [[plan, name, f"{row[name]['ms']:.3f}", gbps(row[name], s["read_bandwidth_gbps"])]
+            for plan, row in [("OSCAR INT2", s)] + list(s.get("tiers", {}).items())
+            for name in ("store_rotated", "store_unrotated")]
+    rows.append(["-", "bf16_cache_copy", f"{s['bf16_cache_copy']['ms']:.3f}",
+                 gbps(s["bf16_cache_copy"], s["read_bandwidth_gbps"])])
+    lines += table(["pages", "kernel", "ms", "GB/s (% of read bw)"], rows)
     if s.get("sweep"):
-        lines += ["", "Other launches in the same run (ms):", "", "| launch | rotated | unrotated |", "|---|---|---|"]
-        lines += [f"| {r['launch']} | {r['store_rotated']['ms']:.3f} | {r['store_unrotated']['ms']:.3f} |"
-                  for r in s["sweep"]]
+        lines += ["", "Other launches in the same run (ms):", ""]
+        lines += table(["launch", "rotated", "unrotated"],
+                       [[r["launch"], f"{r['store_rotated']['ms']:.3f}", f"{r['store_unrotated']['ms']:.3f}"]
+                        for r in s["sweep"]])
     if s.get("decode"):
         lines += ["", "A decode step's store (one rotated token per request, 8 KV heads), per call and per replay"
-                  " of a CUDA graph of it; the decode default launch is marked:", "",
-                  "| batch | launch | ms per call | ms per graph replay |", "|---|---|---|---|"]
-        lines += [f"| {r['batch']} | {r['launch']}{' (default)' if r['default'] else ''} | {r['ms']:.4f}"
-                  f" | {r['graph_ms']:.4f} |" for r in s["decode"]]
+                  " of a CUDA graph of it; the decode default launch is marked:", ""]
+        lines += table(["batch", "launch", "ms per call", "ms per graph replay"],
+                       [[r["batch"], f"{r['launch']}{' (default)' if r['default'] else ''}", f"{r['ms']:.4f}",
+                         f"{r['graph_ms']:.4f}"] for r in s["decode"]])
     if "extend" in res:
         lines += [
             "",
@@ -535,12 +536,10 @@ def render(res: dict) -> str:
             " history, BF16 sink/window and chunk; best launch of a sweep in the same run) against torch SDPA"
             " (flash) over the same keys in BF16, not causal inside the chunk (a few percent more work for it).",
             "",
-            "| Hq/Hkv/D | context | chunk | OSCAR ms (launch) | BF16 SDPA ms | speed-up |",
-            "|---|---|---|---|---|---|",
         ]
-        for r in res["extend"]:
-            lines.append(f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['context']:,} | {r['chunk']:,} | {r['oscar_ms']:.3f} "
-                         f"({r['launch']}) | {r['bf16_sdpa_ms']:.3f} | {r['speedup']:.2f}x |")
+        lines += table(["Hq/Hkv/D", "context", "chunk", "OSCAR ms (launch)", "BF16 SDPA ms", "speed-up"],
+                       [[shape(r), f"{r['context']:,}", f"{r['chunk']:,}", f"{r['oscar_ms']:.3f} ({r['launch']})",
+                         f"{r['bf16_sdpa_ms']:.3f}", f"{r['speedup']:.2f}x"] for r in res["extend"]])
     if "projection" in res:
         p = res["projection"]
         lines += [
@@ -551,30 +550,30 @@ def render(res: dict) -> str:
             " (attention + store + the layer's linear layers, each timed above at that batch) + lm_head."
             " Norms, RoPE, sampling and scheduling are left out.",
             "",
-            "| cache | batch | attention ms/layer | store ms/layer | linear ms/layer | step ms | tokens/s |",
-            "|---|---|---|---|---|---|---|",
         ]
-        for name in ["bf16", *PLANS]:
-            r = p[name]
-            lines.append(f"| {name} ({r['attention']}) | {p['batch'][name]} | {r['attention_ms_per_layer']:.3f} | "
-                         f"{r['store_ms_per_layer']:.3f} | {r['linear_ms_per_layer']:.3f} | {r['step_ms']:.1f} | "
-                         f"{r['tokens_per_s']:.0f} |")
+        lines += table(["cache", "batch", "attention ms/layer", "store ms/layer", "linear ms/layer", "step ms",
+                        "tokens/s"],
+                       [[f"{name} ({p[name]['attention']})", p["batch"][name], f"{p[name]['attention_ms_per_layer']:.3f}",
+                         f"{p[name]['store_ms_per_layer']:.3f}", f"{p[name]['linear_ms_per_layer']:.3f}",
+                         f"{p[name]['step_ms']:.1f}", f"{p[name]['tokens_per_s']:.0f}"] for name in ["bf16", *PLANS]])
         lines += ["", "Projected decode speed-up against the fastest BF16 decode: "
                   + ", ".join(f"{name} **{x:.2f}x**" for name, x in p["speedup"].items()) + "."]
         lines += ["", "The store per call as timed above includes any gap its Python launch leaves; replayed from"
                       " a CUDA graph (as the serving job's decode batches run) it takes "
                       + ", ".join(f"{p[n]['store_graph_ms_per_layer']:.3f} ms ({n})" for n in PLANS)
                       + " per layer. The step above uses the per-call time."]
-    check = REPO / "benchmarks" / "results" / "cuda_check.json"
-    if check.exists():
-        lines += cuda_check_section(json.loads(check.read_text()))
-    graphs = REPO / "benchmarks" / "results" / "cuda_graph_check.json"
-    if graphs.exists():
-        lines += graph_check_section(json.loads(graphs.read_text()))
-    e2e = REPO / "benchmarks" / "results" / "oscar_vllm_e2e.json"
-    if e2e.exists():
-        lines += e2e_section(json.loads(e2e.read_text()))
+    for name, section in (("cuda_check", cuda_check_section), ("cuda_graph_check", graph_check_section),
+                          ("oscar_vllm_e2e", e2e_section)):
+        path = REPO / "benchmarks" / "results" / f"{name}.json"
+        if path.exists():
+            lines += section(json.loads(path.read_text()))
     return "\n".join(lines) + "\n"
+
+
+def divergences(x: dict) -> str:
+    """``prompt:step (reference margin)`` of every prompt that parts from the reference."""
+    steps = [(i, f) for i, f in enumerate(x["first_divergence"]) if f < max(x["first_divergence"])]
+    return ", ".join(f"{i}:{f} ({m:.2f})" for (i, f), m in zip(steps, x["ref_margin_at_divergence"])) or "-"
 
 
 def cuda_check_section(c: dict) -> list[str]:
@@ -583,42 +582,51 @@ def cuda_check_section(c: dict) -> list[str]:
         "## Inside vLLM on the H200 (`scripts/cuda_check.py`)",
         "",
         "house-qwen3 (bf16), prompts of code, 32 greedy tokens, OSCAR (sink 64, window 256) against TRITON_ATTN:"
-        " Hadamard through the Triton kernels, Hadamard through the reference ops on CUDA tensors, and the"
-        " calibrated artifact where run. Divergences are listed as prompt:step with BF16's own top-1 minus top-2"
-        " logprob at that step.",
+        " Hadamard through the Triton kernels, Hadamard through the reference ops on CUDA tensors, the"
+        " calibrated artifact and the tiered artifact (through the kernels and the reference ops). Divergences"
+        " are listed as prompt:step with BF16's own top-1 minus top-2 logprob at that step; |dlogprob| is taken"
+        " at BF16's token wherever both runs saw the same context.",
         "",
-        "| run | prompts equal to BF16 | divergences (prompt:step, BF16 margin) | mean / max abs dlogprob before them |",
-        "|---|---|---|---|",
     ]
+    rows = []
     for name, r in c.items():
         if not isinstance(r, dict) or "exact_200_tokens" not in r:
             continue
         for kind, label in (("exact_200_tokens", "200-token prompts (nothing INT2)"),
                             ("int2_1500_tokens", "1500-token prompts (INT2 active)")):
             x = r[kind]
-            steps = [(i, f) for i, f in enumerate(x["first_divergence"]) if f < max(x["first_divergence"])]
-            where = ", ".join(f"{i}:{f} ({m:.2f})" for (i, f), m in zip(steps, x["bf16_top2_margin_at_divergence"]))
-            lines.append(f"| {name}, {label} | {x['sequences_equal_to_bf16']} | {where or '-'} | "
-                         f"{x['logprob_absdiff_mean']:.4f} / {x['logprob_absdiff_max']:.4f} |")
-    if "decidable_tokens" in c:
-        runs = [n for n in c if isinstance(c[n], dict) and "exact_on_decidable_prefix" in c[n]]
-        lines += ["", f"Exactness criterion: up to BF16's first near tie (top-2 margin < 0.25, found from the BF16 run"
-                  f" alone) every prompt's tokens must be equal; that covers {c['decidable_tokens']} tokens here."
-                  f" Result: {', '.join(f'{n} ' + ('equal' if c[n]['exact_on_decidable_prefix'] else 'NOT equal') for n in runs)}"
-                  f" (check {'passed' if c['exact_ok'] else 'FAILED'}). Every divergence on the 200-token prompts sits at a"
-                  " BF16 near tie; on the 1500-token prompts INT2 error moves some clear choices."]
+            rows.append([f"{name}, {label}", f"{x['whole_sequences_equal']}/{x['prompts']}", divergences(x),
+                         f"{x['dlogprob_mean']:.4f} / {x['dlogprob_max']:.4f}"])
+    lines += table(["run", "prompts equal to BF16", "divergences (prompt:step, BF16 margin)",
+                    "mean / max abs dlogprob"], rows)
+    from scripts.cuda_check import EXACT_RUNS
+
+    runs = [n for n in EXACT_RUNS if n in c]
+    exact = c[runs[0]]["exact_200_tokens"]
+    lines += ["", f"Exactness criterion: up to BF16's first near tie (top-2 margin < 0.25, found from the BF16 run"
+              f" alone) every prompt's tokens must be equal; that covers {exact['tokens_compared']} tokens here."
+              f" Result: {', '.join(n + (' equal' if c[n]['exact_200_tokens']['equal_up_to_tie'] == exact['prompts'] else ' NOT equal') for n in runs)}"
+              f" (check {'passed' if c['exact_ok'] else 'FAILED'}). Every divergence on the 200-token prompts sits at a"
+              " BF16 near tie; on the 1500-token prompts INT2 error moves some clear choices."]
+    t = c.get("tiered_triton_vs_reference_long")
+    if t:
+        lines += ["", f"The tiered artifact through the Triton kernels against the same through the reference ops on"
+                  f" the 1500-token prompts: {t['equal_up_to_tie']}/{t['prompts']} prompts equal up to the reference"
+                  f" run's first near tie ({t['tokens_compared']} tokens), |dlogprob| mean {t['dlogprob_mean']:.4f},"
+                  f" max {t['dlogprob_max']:.4f}."]
     lines += ["", f"KV capacity at gpu_memory_utilization 0.3, max_model_len 4096: BF16 "
               f"{c['bf16']['kv_cache_size_tokens']:,} tokens, OSCAR {c['oscar_hadamard']['kv_cache_size_tokens']:,}"
               f" ({c['oscar_hadamard']['capacity_vs_bf16']:.2f}x; 18 BF16 state blocks per request weigh more at"
               " short max_model_len)."]
-    return lines + ([f"\nNote: {c['note']}."] if "note" in c else [])
+    return lines
 
 
 def graph_check_section(c: dict) -> list[str]:
     o = c["oscar"]
     g = o["graphs"]
-    rows = [f"| {kind} | {o[kind]['sequences_equal']} | {'yes' if o[kind]['logprobs_bit_identical'] else 'no'} | "
-            f"{o[kind]['logprob_absdiff_max']:.4f} |" for kind in ("short_200", "long_1500") if kind in o]
+    rows = [[kind, f"{o[kind]['whole_sequences_equal']}/{o[kind]['prompts']}",
+             "yes" if o[kind]["dlogprob_max"] == 0 else "no", f"{o[kind]['dlogprob_max']:.4f}"]
+            for kind in ("short_200", "long_1500") if kind in o]
     return ["", "## CUDA graphs in vLLM on the H200 (`scripts/cuda_graph_check.py`)", "",
             f"house-qwen3 with OSCAR (Hadamard) through the Triton kernels, eager against full CUDA graphs for"
             f" decode-only batches (`{c['compilation_config']}`), {c['requests']['short_200']} prompts of 200 tokens"
@@ -626,9 +634,9 @@ def graph_check_section(c: dict) -> list[str]:
             f" capture sizes, so decode batches are padded. Graphs captured: {g['graphs_captured']}; decode steps"
             f" {g['decode_steps']}, replayed from a graph {g['graph_replays']} ({g['padded_decode_steps']} of them"
             f" padded), OSCAR forwards run eagerly on a decode-only batch: {g['eager_decode_forwards']}.", "",
-            "| prompts | sequences equal to eager | log-probabilities bit-identical | max abs dlogprob |",
-            "|---|---|---|---|", *rows, *graph_sanity_lines(c), "",
-            f"Result: {'passed' if c.get('ok') else 'FAILED'}."] + ([f"\nNote: {c['note']}."] if "note" in c else [])
+            *table(["prompts", "sequences equal to eager", "token log-probabilities identical", "max abs dlogprob"],
+                   rows),
+            *graph_sanity_lines(c), "", f"Result: {'passed' if c.get('ok') else 'FAILED'}."]
 
 
 def graph_sanity_lines(c: dict) -> list[str]:
@@ -637,39 +645,42 @@ def graph_sanity_lines(c: dict) -> list[str]:
     lines = []
     b = c.get("bf16")
     if isinstance(b, dict) and "short_200" in b:
-        lines += ["", f"TRITON_ATTN under the same graphs against its eager run: {b['short_200']['sequences_equal']}"
-                  f" and {b['long_1500']['sequences_equal']} sequences equal"
-                  f" ({'bit-identical' if b['short_200']['logprobs_bit_identical'] else 'not bit-identical'})."]
+        same = b["short_200"]["dlogprob_max"] == b["long_1500"]["dlogprob_max"] == 0
+        lines += ["", f"TRITON_ATTN under the same graphs against its eager run:"
+                  f" {b['short_200']['whole_sequences_equal']}/{b['short_200']['prompts']} and"
+                  f" {b['long_1500']['whole_sequences_equal']}/{b['long_1500']['prompts']} sequences equal"
+                  f" (token log-probabilities {'identical' if same else 'not identical'})."]
     x = c.get("oscar_eager_vs_bf16_eager_short_200")
     if x:
         lines += ["", f"OSCAR eager against TRITON_ATTN eager on the 200-token prompts (within sink + window, nothing"
-                  f" INT2): {x['sequences_equal']} sequences equal, equal up to each prompt's first near tie"
-                  f" ({x['decidable_tokens']} tokens): {'yes' if x['equal_on_decidable_prefix'] else 'NO'};"
-                  f" |dlogprob| mean {x['logprob_absdiff_mean']:.4f}, max {x['logprob_absdiff_max']:.4f}"
+                  f" INT2): {x['whole_sequences_equal']}/{x['prompts']} sequences equal, equal up to each prompt's first"
+                  f" near tie ({x['tokens_compared']} tokens): {'yes' if x['equal_up_to_tie'] == x['prompts'] else 'NO'};"
+                  f" |dlogprob| mean {x['dlogprob_mean']:.4f}, max {x['dlogprob_max']:.4f}"
                   " (the rotated keys are rounded to bf16 again, and the kernels round operands to fp16)."]
     return lines
 
 
-def keep_stepquant_section(text: str) -> str:
-    """docs/kernels.md also holds benchmarks/stepquant_kernels.py's section: keep it."""
-    path, marker = REPO / "docs" / "kernels.md", "## STEPQuant state update"
+STEPQUANT_SECTION = "## STEPQuant state update"  # benchmarks.stepquant_kernels writes it into the same page
+
+
+def write_page(text: str) -> None:
+    """docs/kernels.md: this page, keeping the section benchmarks.stepquant_kernels wrote."""
+    path = REPO / "docs" / "kernels.md"
     old = path.read_text() if path.exists() else ""
-    if marker in old and marker not in text:
-        text = text.rstrip() + "\n\n" + old[old.index(marker):]
-    return text
+    if STEPQUANT_SECTION in old:
+        text = splice(text, STEPQUANT_SECTION, old[old.index(STEPQUANT_SECTION):])
+    path.write_text(text)
 
 
 def e2e_section(results: dict) -> list[str]:
-    sys.path.insert(0, str(Path(__file__).parent))
-    from oscar_vllm_e2e import render as render_e2e
+    from benchmarks.oscar_vllm_e2e import render as render_e2e
 
-    notes = sorted({job["note"] for job in results.values() if "note" in job})
     return ["", "## Serving job in vLLM on the H200 (`benchmarks/oscar_vllm_e2e.py`)", "",
             "Random-weight Qwen3-4B shape, same gpu_memory_utilization for both backends, greedy with ignore_eos;"
             " enforce_eager, or where the job says so full CUDA graphs for decode-only batches in both engines"
             " (`compilation_config={\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}`). Decode tok/s counts only"
             " the steps in which every running request decodes and nothing is admitted or prefilled.", "",
-            render_e2e(results)] + [f"\nNote: {n}." for n in notes]
+            render_e2e(results)] + [f"\nNote: {n}." for n in sorted({job["note"] for job in results.values() if "note" in job})]
 
 
 def main() -> None:
@@ -682,8 +693,7 @@ def main() -> None:
     args = ap.parse_args()
     out_dir = Path(os.environ.get("OUT", REPO / "benchmarks" / "results"))
     if args.render_only:
-        res = json.loads(Path(args.render_only).read_text())
-        (REPO / "docs" / "kernels.md").write_text(keep_stepquant_section(render(res)))
+        write_page(render(json.loads(Path(args.render_only).read_text())))
         return
     gen = torch.Generator(device=DEV).manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

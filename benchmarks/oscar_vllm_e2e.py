@@ -14,7 +14,7 @@ table. Needs a GPU and vLLM 0.32 (``scripts/h200.sh`` runs it). Engines run
 eagerly, or with ``--cuda-graphs`` both with full CUDA graphs for decode-only
 batches (``GRAPHS``: no torch.compile; other batches eager).
 
-    python benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 16 --gpu-mem 0.15
+    python -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 16 --gpu-mem 0.15
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving_job import GRAPHS, run_child, run_job  # noqa: E402
+from benchmarks.serving_job import GRAPHS, run_child, run_job
+from evalkit.markdown import table
 
 QWEN3_4B = {
     "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 2560,
@@ -88,6 +88,7 @@ def main() -> None:
                    help="key of this job in the JSON (default: the prompt length, '-graphs' with --cuda-graphs)")
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=None, help="time limit of each backend's run")
+    p.add_argument("--note", help="a remark on this run, kept with its results")
     args = p.parse_args()
     out = Path(args.json or (Path(os.environ["OUT"]) / "oscar_vllm_e2e.json" if "OUT" in os.environ
                              else Path(__file__).parent / "results" / "oscar_vllm_e2e.json"))
@@ -98,9 +99,11 @@ def main() -> None:
         job = {"prompt_len": args.prompt_len, "gen": args.gen, "requests": args.requests,
                "gpu_memory_utilization": args.gpu_mem, "model": "Qwen3-4B shape, dummy weights",
                "enforce_eager": not args.cuda_graphs, "compilation_config": GRAPHS if args.cuda_graphs else None}
+        if args.note:
+            job["note"] = args.note
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         for name in BACKENDS:
-            cmd = [sys.executable, __file__, "run", "--backend", name] + [
+            cmd = [sys.executable, "-m", "benchmarks.oscar_vllm_e2e", "run", "--backend", name] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                 if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")] + (
                 ["--cuda-graphs"] if args.cuda_graphs else [])
@@ -119,31 +122,27 @@ def main() -> None:
 
 
 def render(results: dict) -> str:
-    rows = ["| job | backend | KV capacity (tokens) | concurrent batch | decode tok/s | prefill tok/s | job tok/s |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    fmt = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
+    rows = []
     for label, job in results.items():
         for name in BACKENDS:
             r = job.get(name, {})
             if "error" in r or not r:
-                rows.append(f"| {label} | {name} | failed | | | | |")
+                rows.append([label, name, "failed", "", "", "", ""])
                 continue
-            fmt = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
             shape = f"{job['requests']} x {job['prompt_len']} + {job['gen']}"
             shape += ", CUDA graphs" if job.get("compilation_config") else ""
-            rows.append(f"| {shape} | {r['backend']} | "
-                        f"{r['kv_cache_size_tokens']:,} | {r['concurrent_batch']} | {fmt(r['decode_tokens_per_s'])} | "
-                        f"{fmt(r['prefill_tokens_per_s'])} | {r['job_generated_tokens_per_s']:,.1f} |")
+            rows.append([shape, r["backend"], f"{r['kv_cache_size_tokens']:,}", r["concurrent_batch"],
+                         fmt(r["decode_tokens_per_s"]), fmt(r["prefill_tokens_per_s"]),
+                         f"{r['job_generated_tokens_per_s']:,.1f}"])
         ratio = job.get("decode_tokens_per_s_oscar_vs_bf16")
         if ratio:
             prefill = job.get("prefill_tokens_per_s_oscar_vs_bf16")
-            if prefill is None and job["oscar"].get("prefill_tokens_per_s") and job["bf16"].get("prefill_tokens_per_s"):
-                prefill = job["oscar"]["prefill_tokens_per_s"] / job["bf16"]["prefill_tokens_per_s"]
-            rows.append(f"| | OSCAR / BF16 | {job['kv_cache_size_tokens_oscar_vs_bf16']:.2f}x | "
-                        f"{job['concurrent_batch_oscar_vs_bf16']:.2f}x | {ratio:.2f}x | "
-                        f"{f'{prefill:.2f}x' if prefill else ''} | "
-                        f"{job['job_generated_tokens_per_s_oscar_vs_bf16']:.2f}x |")
-    return "\n".join(rows)
-
+            rows.append(["", "OSCAR / BF16", f"{job['kv_cache_size_tokens_oscar_vs_bf16']:.2f}x",
+                         f"{job['concurrent_batch_oscar_vs_bf16']:.2f}x", f"{ratio:.2f}x",
+                         f"{prefill:.2f}x" if prefill else "", f"{job['job_generated_tokens_per_s_oscar_vs_bf16']:.2f}x"])
+    header = ["job", "backend", "KV capacity (tokens)", "concurrent batch", "decode tok/s", "prefill tok/s", "job tok/s"]
+    return "\n".join(table(header, rows, "llrrrrr"))
 
 if __name__ == "__main__":
     main()

@@ -8,27 +8,27 @@ same cache as in decode. ``--chunk 1`` refits after every token. Writes
 ``benchmarks/results/stepquant-accuracy[-chunkN].json`` and that chunk size's
 table in ``docs/stepquant.md``.
 
-    python benchmarks/stepquant_accuracy.py                 # chunk 64, all rows
-    python benchmarks/stepquant_accuracy.py --chunk 1 --needles-per-bucket 0 \
+    python -m benchmarks.stepquant_accuracy                 # chunk 64, all rows
+    python -m benchmarks.stepquant_accuracy --chunk 1 --needles-per-bucket 0 \
         --ppl-windows 4 --ppl-length 1024 --variants ...    # every token refits
-    python benchmarks/stepquant_accuracy.py --render-only [--chunk 1]
+    python -m benchmarks.stepquant_accuracy --render-only [--chunk 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import time
 from pathlib import Path
 
-from accuracy import generate_guarded, needle_set, ppl_windows  # benchmarks/ is the script directory
+from benchmarks.accuracy import generate_guarded
+from evalkit.data import BUCKETS, MODELS, REPO, needle_scores, needle_set, perplexity, ppl_windows, tokenizer
+from evalkit.markdown import splice, table
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "examples" / "models" / "house-qwen3next"
+MODEL = MODELS / "house-qwen3next"
 PLAN = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"
 OSCAR = REPO / "examples" / "artifacts" / "house-qwen3next-oscar"
-BUCKETS = [(0, 1024, "<1k"), (1024, 2048, "1-2k")]
+SHORT = BUCKETS[:2]  # the model's training length is 2K
 MAX_LEN = 2200
 GUARD = MAX_LEN - 8  # the guard request: longer than any prompt, inside the model's context
 
@@ -71,37 +71,25 @@ def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[l
     if needles:
         outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0),
                                 wave, GUARD)
-        hits = [o.outputs[0].text.startswith(r["answer"][:4]) for o, r in zip(outs, needles)]
-        result["needle_acc"] = sum(hits) / len(hits)
-        result["needles"] = len(hits)
-        result["needle_hits"] = hits
-        result["needle_by_bucket"] = {
-            name: (lambda sel: sum(sel) / len(sel) if sel else float("nan"))(
-                [h for h, r in zip(hits, needles) if lo <= r["prompt_tokens"] < hi])
-            for lo, hi, name in BUCKETS}
+        scores = needle_scores([o.outputs[0].text for o in outs], needles, SHORT)
+        result.update(needle_acc=scores["needle_acc"], needles=len(needles), needle_hits=scores["hits"],
+                      needle_by_bucket=scores["needle_by_bucket"])
     if windows:
         outs = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
                                 SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), wave, GUARD)
-        nll, n = 0.0, 0
-        for o, w in zip(outs, windows):
-            for i, entry in enumerate(o.prompt_logprobs[1:], start=1):
-                nll -= entry[w[i]].logprob
-                n += 1
-        result["ppl"] = math.exp(nll / n)
-        result["ppl_tokens"] = n
+        result["ppl"], result["ppl_tokens"] = perplexity(outs, windows)
     result["seconds"] = time.time() - t0
     llm.llm_engine.engine_core.shutdown()
     del llm
     return result
 
 
-def table(saved: dict) -> list[str]:
+def pool_table(saved: dict) -> list[str]:
     args, results = saved["args"], saved["results"]
     ref = results.get("FP32 state (vLLM)", {})
     lines = [f"Prefill chunks of at most {args['chunk']} tokens; {args['needles_per_bucket']} needles per length bucket "
-             f"(<1k, 1-2k tokens); {args['ppl_windows']} perplexity windows of {args['ppl_length']} tokens.", "",
-             "| state pool | bytes per request (6 GDN layers) | vs FP32 | needles | <1k | 1-2k | needles / FP32 | perplexity | ppl vs FP32 |",
-             "|---|---:|---:|---|---|---|---|---|---|"]
+             f"(<1k, 1-2k tokens); {args['ppl_windows']} perplexity windows of {args['ppl_length']} tokens.", ""]
+    rows = []
     for name, r in results.items():
         row = [name, f"{r['state_bytes_per_request']:,}",
                f"{ref['state_bytes_per_request'] / r['state_bytes_per_request']:.2f}x" if ref else ""]
@@ -111,8 +99,10 @@ def table(saved: dict) -> list[str]:
         else:
             row += ["", "", "", ""]
         row += [f"{r['ppl']:.3f}", f"{100 * (r['ppl'] / ref['ppl'] - 1):+.2f}%"] if "ppl" in r else ["", ""]
-        lines.append("| " + " | ".join(row) + " |")
-    return lines
+        rows.append(row)
+    header = ["state pool", "bytes per request (6 GDN layers)", "vs FP32", "needles", "<1k", "1-2k", "needles / FP32",
+              "perplexity", "ppl vs FP32"]
+    return lines + table(header, rows, "lrrllllll")
 
 
 def render(path: Path, results_json: Path) -> None:
@@ -120,12 +110,7 @@ def render(path: Path, results_json: Path) -> None:
     text = path.read_text() if path.exists() else ""
     tag = f"chunk{saved['args']['chunk']}"
     start, end = f"<!-- accuracy:{tag}:begin -->", f"<!-- accuracy:{tag}:end -->"
-    block = "\n".join([start, *table(saved), end])
-    if start in text:
-        text = text[: text.index(start)] + block + text[text.index(end) + len(end):]
-    else:
-        text += "\n" + block + "\n"
-    path.write_text(text)
+    path.write_text(splice(text, start, "\n".join([start, *pool_table(saved), end]), end))
 
 
 def main() -> None:
@@ -143,11 +128,8 @@ def main() -> None:
     suffix = "" if args.chunk == 64 else f"-chunk{args.chunk}"
     out = Path(args.json or REPO / "benchmarks" / "results" / f"stepquant-accuracy{suffix}.json")
     if not args.render_only:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(MODEL))
-        needles = needle_set(args.needles_per_bucket, BUCKETS)
-        windows = ppl_windows(tok, args.ppl_windows, args.ppl_length)
+        needles = needle_set(args.needles_per_bucket, SHORT)
+        windows = ppl_windows(tokenizer(str(MODEL)), args.ppl_windows, args.ppl_length)
         saved = json.loads(out.read_text()) if out.exists() else {"results": {}}
         if saved.get("args", {}).get("chunk") not in (None, args.chunk):
             saved = {"results": {}}
@@ -162,7 +144,7 @@ def main() -> None:
                   f"state {r['state_bytes_per_request']:,} B ({r['seconds']:.0f} s)", flush=True)
             out.write_text(json.dumps(saved, indent=1) + "\n")
     render(Path(args.markdown), out)
-    print("\n".join(table(json.loads(out.read_text()))))
+    print("\n".join(pool_table(json.loads(out.read_text()))))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ the rows kernel, column tile and warps of the fit kernel) and the best is
 compared with the best FP32 tiling. Bytes
 moved = state read + written, plus q, k, v, g, beta and out.
 
-    python benchmarks/stepquant_kernels.py [--quick] [--json PATH]
+    python -m benchmarks.stepquant_kernels [--quick] [--json PATH]
 
 Writes ``benchmarks/results/stepquant_kernels.json`` (or ``--json``) and, with
 ``--docs``, replaces the "STEPQuant state update" section of ``docs/kernels.md``.
@@ -26,6 +26,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
+from evalkit.markdown import splice, table
 from vllm_kvq.kernels.stepquant import reference as ref
 from vllm_kvq.kernels.stepquant import triton_step as ts
 from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout, fp32_state_bytes
@@ -255,7 +256,7 @@ def render(res: dict) -> str:
     lines = [
         SECTION,
         "",
-        f"Measured by `python benchmarks/stepquant_kernels.py` on {res['device']} ({res['date']}, Triton"
+        f"Measured by `python -m benchmarks.stepquant_kernels` on {res['device']} ({res['date']}, Triton"
         f" {res['triton']}). One decode token per request, batch {res['batch']}, one GDN layer, K = V = 128; device copy"
         f" bandwidth (read + write) in the same run: **{bw:.0f} GB/s**.",
         "",
@@ -267,46 +268,37 @@ def render(res: dict) -> str:
         " records untouched). 'Rows / fit': each kernel's device time (profiler). 'Packed bytes at copy bw': the"
         " packed step's memory floor.",
         "",
-        "| layer | plan (bits/value) | FP32 ms | FP32 GB/s | packed ms (launch) | packed GB/s | speed-up |"
-        " exact ms (speed-up) | CUDA-graph ms | readout only ms | rows / fit ms | packed bytes at copy bw ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for name, r in res["shapes"].items():
         f = r["fp32"]["best"]
         for plan, p in r["plans"].items():
             b, e = p["best"], p["best_exact"]
             launch = f"{'fast' if b['fast'] else 'exact'}, {_launch_name(b['launch'])}"
-            lines.append(
-                f"| {name} ({r['heads']}/{r['key_heads']} heads) | {plan} ({p['bits_per_value']:.2f}) | {f['ms']:.3f} |"
-                f" {f['gbps']:.0f} | {b['ms']:.3f} ({launch}) | {b['gbps']:.0f} | **{b['speedup']:.2f}x** |"
-                f" {e['ms']:.3f} ({e['speedup']:.2f}x) | {p['graph_ms']:.3f} | {p['readout_only_ms']:.3f} |"
-                f" {_split(p)} |"
-                f" {p['bytes_moved'] / bw / 1e6:.3f} |")
+            rows.append([f"{name} ({r['heads']}/{r['key_heads']} heads)", f"{plan} ({p['bits_per_value']:.2f})",
+                         f"{f['ms']:.3f}", f"{f['gbps']:.0f}", f"{b['ms']:.3f} ({launch})", f"{b['gbps']:.0f}",
+                         f"**{b['speedup']:.2f}x**", f"{e['ms']:.3f} ({e['speedup']:.2f}x)", f"{p['graph_ms']:.3f}",
+                         f"{p['readout_only_ms']:.3f}", _split(p), f"{p['bytes_moved'] / bw / 1e6:.3f}"])
+    lines += table(["layer", "plan (bits/value)", "FP32 ms", "FP32 GB/s", "packed ms (launch)", "packed GB/s",
+                    "speed-up", "exact ms (speed-up)", "CUDA-graph ms", "readout only ms", "rows / fit ms",
+                    "packed bytes at copy bw ms"], rows)
     lines += ["", DESIGN] + (["", *NOTES] if NOTES else [])
     lines += ["", "Launch shapes of the packed step (ms; fast/exact as above; rows: key rows per block / warps of"
-              " the rows kernel; fit: value columns per tile / warps of the fit kernel):", "",
-              "| layer | plan | " + " | ".join(f"{'fast' if f else 'exact'} {_launch_name(lc)}" for f, lc in VARIANTS)
-              + " |", "|---|---|" + "---|" * len(VARIANTS)]
+              " the rows kernel; fit: value columns per tile / warps of the fit kernel):", ""]
+    rows = []
     for name, r in res["shapes"].items():
         for plan, p in r["plans"].items():
             cells = {(v["fast"], _launch_name(v["launch"])): v for v in p["variants"]}
-            row = [f"{cells[(f, _launch_name(lc))]['ms']:.3f}" if "ms" in cells.get((f, _launch_name(lc)), {}) else "-"
-                   for f, lc in VARIANTS]
-            lines.append(f"| {name} | {plan} | " + " | ".join(row) + " |")
+            rows.append([name, plan, *(f"{cells[(f, _launch_name(lc))]['ms']:.3f}"
+                                       if "ms" in cells.get((f, _launch_name(lc)), {}) else "-" for f, lc in VARIANTS)])
+    lines += table(["layer", "plan", *(f"{'fast' if f else 'exact'} {_launch_name(lc)}" for f, lc in VARIANTS)], rows)
     return "\n".join(lines) + "\n"
 
 
 def write_docs(text: str) -> None:
     """Replace (or append) this section of docs/kernels.md, leaving the others as they are."""
     path = REPO / "docs" / "kernels.md"
-    doc = path.read_text()
-    if SECTION in doc:
-        head, rest = doc.split(SECTION, 1)
-        nxt = rest.find("\n## ")
-        doc = head + text + (rest[nxt + 1 :] if nxt >= 0 else "")
-    else:
-        doc = doc.rstrip("\n") + "\n\n" + text
-    path.write_text(doc)
+    path.write_text(splice(path.read_text(), SECTION, text))
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ layers), the KV capacity vLLM states at start, and the figures of
 job tokens/s), with ratios against ``fp32`` from the same call.
 
 Models: on CUDA a dense Qwen3.5-style model with random weights (16 layers,
-12 GDN layers of 16 value heads of 128 x 128; ../shared/gpu-vllm has no MoE
+12 GDN layers of 16 value heads of 128 x 128; the CUDA bundle of vLLM has no MoE
 kernels), decode batches through the Triton step; on CPU house-qwen3next
 (the staged reference codec). Engines run eagerly, or with ``--cuda-graphs``
 full CUDA graphs for decode-only batches in every engine (``serving_job.GRAPHS``;
@@ -24,7 +24,7 @@ the job's key becomes ``cuda-graphs``), each pool in its own process with its
 own time limit; results go to ``benchmarks/results/stepquant_vllm_e2e.json``
 (or ``$OUT``).
 
-    python benchmarks/stepquant_vllm_e2e.py --requests 512 --prompt-len 256 --gen 128 --kv-gib 2
+    python -m benchmarks.stepquant_vllm_e2e --requests 512 --prompt-len 256 --gen 128 --kv-gib 2
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
-sys.path.insert(0, str(REPO / "scripts"))
-from cuda_state_check import LARGE, model_dir, synthetic_plan  # noqa: E402
-from serving_job import GRAPHS, run_child, run_job  # noqa: E402
+from benchmarks.serving_job import GRAPHS, run_child, run_job
+from evalkit.data import MODELS, REPO
+from evalkit.markdown import table
+from scripts.cuda_state_check import LARGE, model_dir, synthetic_plan
 
 POOLS = {"fp32": None, "int6": {"state": "uniform", "state_bits": 6},
          "stepquant6": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}}
@@ -55,7 +54,7 @@ def setup(cuda: bool) -> tuple[str, str, dict]:
         # the bundle has no FlashInfer: vLLM's Triton GDN prefill
         return model, plan, dict(load_format="dummy", skip_tokenizer_init=True, attention_backend="TRITON_ATTN",
                                  additional_config={"gdn_prefill_backend": "triton"})
-    return str(REPO / "examples" / "models" / "house-qwen3next"), str(HOUSE_PLAN), dict(additional_config={})
+    return str(MODELS / "house-qwen3next"), str(HOUSE_PLAN), dict(additional_config={})
 
 
 def run(pool: str, args: argparse.Namespace) -> dict:
@@ -117,6 +116,7 @@ def main() -> None:
     p.add_argument("--label", default=None, help="key of this job in the JSON (default: the device)")
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=None, help="time limit of each pool's run")
+    p.add_argument("--note", help="a remark on this run, kept with its results")
     p.add_argument("--cuda-graphs", action="store_true", help="full CUDA graphs for decode-only batches (GRAPHS)")
     args = p.parse_args()
     out = Path(args.json or (Path(os.environ["OUT"]) / "stepquant_vllm_e2e.json" if "OUT" in os.environ
@@ -127,9 +127,11 @@ def main() -> None:
     if args.mode == "all":
         job = {"date": str(datetime.date.today()), "requests": args.requests, "prompt_len": args.prompt_len,
                "gen": args.gen, "kv_gib": args.kv_gib, "cuda_graphs": args.cuda_graphs}
+        if args.note:
+            job["note"] = args.note
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_ALLOW_INSECURE_SERIALIZATION="1")
         for pool in args.pools:
-            cmd = [sys.executable, __file__, "run", "--pool", pool, f"--requests={args.requests}",
+            cmd = [sys.executable, "-m", "benchmarks.stepquant_vllm_e2e", "run", "--pool", pool, f"--requests={args.requests}",
                    f"--prompt-len={args.prompt_len}", f"--gen={args.gen}", f"--kv-gib={args.kv_gib}"]
             cmd += ["--cuda-graphs"] if args.cuda_graphs else []
             job[pool] = run_child(cmd, env, args.timeout_s)
@@ -152,9 +154,8 @@ def main() -> None:
 
 
 def render(results: dict) -> str:
-    rows = ["| job | pool | state B/request | KV capacity (tokens) | concurrent batch | decode tok/s | prefill tok/s"
-            " | job tok/s |", "|---|---|---:|---:|---:|---:|---:|---:|"]
     fmt = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
+    rows = []
     for label, job in results.items():
         shape = f"{label}: {job['requests']} x {job['prompt_len']} + {job['gen']}, {job['kv_gib']:g} GiB"
         model = next((r["model"] for r in job.values() if isinstance(r, dict) and "model" in r), "")
@@ -164,20 +165,21 @@ def render(results: dict) -> str:
             if r is None:
                 continue
             if "error" in r:
-                rows.append(f"| {shape} | {pool} | failed | | | | | |")
+                rows.append([shape, pool, "failed", "", "", "", "", ""])
                 continue
-            rows.append(f"| {shape} | {pool} | {fmt(r['state_bytes_per_request'])} | {fmt(r['kv_cache_size_tokens'])} | "
-                        f"{r['concurrent_batch']} | {fmt(r['decode_tokens_per_s'])} | "
-                        f"{fmt(r['prefill_tokens_per_s'])} | {r['job_generated_tokens_per_s']:,.1f} |")
+            rows.append([shape, pool, fmt(r["state_bytes_per_request"]), fmt(r["kv_cache_size_tokens"]),
+                         r["concurrent_batch"], fmt(r["decode_tokens_per_s"]), fmt(r["prefill_tokens_per_s"]),
+                         f"{r['job_generated_tokens_per_s']:,.1f}"])
             v = r.get("vs_fp32")
             if v:
                 x = lambda k: f"{v[k]:.2f}x" if k in v else ""  # noqa: E731
                 smaller = f"1/{1 / v['state_bytes_per_request']:.2f}" if "state_bytes_per_request" in v else ""
-                rows.append(f"| | {pool} / fp32 | {smaller} | {x('kv_cache_size_tokens')} | "
-                            f"{x('concurrent_batch')} | {x('decode_tokens_per_s')} | {x('prefill_tokens_per_s')} | "
-                            f"{x('job_generated_tokens_per_s')} |")
-    return "\n".join(rows)
-
+                rows.append(["", f"{pool} / fp32", smaller, *(x(k) for k in (
+                    "kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "prefill_tokens_per_s",
+                    "job_generated_tokens_per_s"))])
+    header = ["job", "pool", "state B/request", "KV capacity (tokens)", "concurrent batch", "decode tok/s",
+              "prefill tok/s", "job tok/s"]
+    return "\n".join(table(header, rows, "llrrrrrr"))
 
 if __name__ == "__main__":
     main()

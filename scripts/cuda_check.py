@@ -1,6 +1,7 @@
 """The OSCAR backend in real vLLM on CUDA (reference ops on CUDA tensors).
 
-Runs on a GPU machine with vLLM 0.32 (``bash scripts/h200.sh`` runs it):
+Runs on a GPU machine with vLLM 0.32 (``bash scripts/h200.sh check`` runs
+``python -m scripts.cuda_check``):
 
 1. the reference ops give the same bytes and outputs on CUDA as on CPU;
 2. house-qwen3 (carried int8, restored to bf16: scripts/pack_for_gpu.py)
@@ -10,8 +11,8 @@ Runs on a GPU machine with vLLM 0.32 (``bash scripts/h200.sh`` runs it):
    kernels and through the reference ops) at the default sink 64 / window
    256; on 200-token prompts (sink + window >= length) the greedy tokens of
    the Hadamard and tiered runs must be equal to BF16's up to BF16's first
-   near tie (top-2 margin < 0.25, found from the BF16 run alone) in every
-   prompt; whole sequences are reported too;
+   near tie (``evalkit.compare``) in every prompt; whole sequences are
+   reported too;
 3. on 1500-token prompts (quantized rows read) the distance to BF16 is
    reported, and the tiered Triton run must equal the tiered reference run
    up to that run's first near tie.
@@ -27,11 +28,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from evalkit.compare import compare, from_json, record
+from evalkit.data import REPO
+
 MODEL_DIR = Path(os.environ.get("KVQ_CUDA_MODEL", "/tmp/kvq_cuda_model"))
 OUT = Path(os.environ.get("OUT", "/tmp/kvq_out"))
-
-
-CARRY = Path(__file__).resolve().parents[1] / ".device-carry" / "house-qwen3"
+CARRY = REPO / ".device-carry" / "house-qwen3"
+# the runs whose 200-token prompts must equal BF16's up to its first near tie
+EXACT_RUNS = ("oscar_hadamard", "oscar_reference_ops", "oscar_tiered", "oscar_tiered_reference_ops")
 
 
 def make_model() -> None:
@@ -55,17 +59,6 @@ def make_model() -> None:
         shutil.copy(CARRY / f, MODEL_DIR / f)
 
 
-def greedy_record(outs) -> dict:
-    """Tokens, their logprobs and each step's top two logprobs (how far each
-    greedy choice is from a tie) of generated outputs, as JSON lists."""
-    return {
-        "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)] for o in outs],
-        "margins": [[sorted((x.logprob for x in lp.values()), reverse=True)[:2] for lp in o.outputs[0].logprobs]
-                    for o in outs],
-    }
-
-
 def prompts(kind: str) -> list[list[int]]:
     return json.loads((CARRY / "prompts.json").read_text())[kind]
 
@@ -86,30 +79,14 @@ def run_engine(backend: str, kvq: str, out: str) -> None:
     result = {"kv_cache_size_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens}
     for kind in ("short", "long"):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(kind)], params, use_tqdm=False)
-        result[kind] = greedy_record(outs)
+        result[kind] = record(outs)
     Path(out).write_text(json.dumps(result))
 
 
-TIE = 0.25  # top-2 logprob margin under which BF16's own greedy choice is a coin toss (4 bf16 steps)
-
-
-def decidable_prefix(base: dict) -> list[int]:
-    """Per prompt, how many leading greedy steps BF16 takes before its first
-    near tie (top-2 margin < TIE). Chosen from the BF16 run alone, before any
-    OSCAR output is looked at: past a tie, either token is BF16's answer."""
-    return [next((i for i, m in enumerate(steps) if len(m) > 1 and m[0] - m[1] < TIE), len(steps))
-            for steps in base["margins"]]
-
-
-def compare(run: dict, base: dict) -> dict:
-    """Sequences equal, first divergence, and |dlogprob| before it, against the BF16 run."""
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-             for a, b in zip(run["tokens"], base["tokens"])]
-    diffs = [abs(x - y) for lr, lb, f in zip(run["logprobs"], base["logprobs"], first) for x, y in zip(lr[:f], lb[:f])]
-    margins = [m[0] - m[1] if len(m) > 1 else None for ms, f in zip(base["margins"], first) for m in ms[f:f + 1]]
-    return {"sequences_equal_to_bf16": f"{first.count(len(run['tokens'][0]))}/{len(first)}",
-            "first_divergence": first, "bf16_top2_margin_at_divergence": margins,
-            "logprob_absdiff_mean": sum(diffs) / max(len(diffs), 1), "logprob_absdiff_max": max(diffs, default=0.0)}
+def read_run(path: Path) -> dict:
+    """One engine's results, its records with token ids restored."""
+    res = json.loads(path.read_text())
+    return {k: from_json(v) if isinstance(v, dict) and "tokens" in v else v for k, v in res.items()}
 
 
 def check_ops() -> dict:
@@ -153,7 +130,7 @@ def main() -> None:
     summary = {"ops": check_ops()}
     print("ops:", summary["ops"], flush=True)
     make_model()
-    artifacts = Path(__file__).resolve().parents[1] / "examples" / "artifacts"
+    artifacts = REPO / "examples" / "artifacts"
     tiered = str(artifacts / "house-qwen3-tiered")
     runs = {
         "bf16": ("TRITON_ATTN", "{}"),
@@ -168,8 +145,8 @@ def main() -> None:
     results = {}
     for name, (backend, kvq) in runs.items():
         path = MODEL_DIR.parent / f"kvq_cuda_{name}.json"
-        subprocess.run([sys.executable, __file__, "engine", backend, kvq, str(path)], check=True)
-        results[name] = json.loads(path.read_text())
+        subprocess.run([sys.executable, "-m", "scripts.cuda_check", "engine", backend, kvq, str(path)], check=True)
+        results[name] = read_run(path)
         (OUT / path.name).write_text(path.read_text())
     base = results["bf16"]
     summary["bf16"] = {"kv_cache_size_tokens": base["kv_cache_size_tokens"]}
@@ -179,25 +156,14 @@ def main() -> None:
                          "capacity_vs_bf16": r["kv_cache_size_tokens"] / base["kv_cache_size_tokens"],
                          "exact_200_tokens": compare(r["short"], base["short"]),
                          "int2_1500_tokens": compare(r["long"], base["long"])}
-    prefix = decidable_prefix(base["short"])
-    summary["decidable_prefix_per_prompt"] = prefix
-    summary["decidable_tokens"] = sum(prefix)
-    exact_runs = [n for n in ("oscar_hadamard", "oscar_reference_ops", "oscar_tiered", "oscar_tiered_reference_ops")
-                  if n in results]
-    for n in exact_runs:
-        summary[n]["exact_on_decidable_prefix"] = all(
-            a[:k] == b[:k] for a, b, k in zip(results[n]["short"]["tokens"], base["short"]["tokens"], prefix))
-    summary["exact_ok"] = (sum(prefix) >= 128 and bool(exact_runs) and summary["ops"]["pages_identical_cpu_vs_cuda"]
-                           and all(summary[n]["exact_on_decidable_prefix"] for n in exact_runs))
+    exact_runs = [summary[n]["exact_200_tokens"] for n in EXACT_RUNS if n in results]
+    summary["exact_ok"] = (bool(exact_runs) and summary["ops"]["pages_identical_cpu_vs_cuda"]
+                           and all(x["tokens_compared"] >= 128 and x["equal_up_to_tie"] == x["prompts"]
+                                   for x in exact_runs))
     if {"oscar_tiered", "oscar_tiered_reference_ops"} <= set(results):
-        ref_long = results["oscar_tiered_reference_ops"]["long"]
-        long_prefix = decidable_prefix(ref_long)
-        summary["tiered_triton_vs_reference_long"] = {
-            **compare(results["oscar_tiered"]["long"], ref_long), "decidable_tokens": sum(long_prefix),
-            "equal_on_decidable_prefix": all(a[:k] == b[:k] for a, b, k in zip(
-                results["oscar_tiered"]["long"]["tokens"], ref_long["tokens"], long_prefix))}
-        summary["exact_ok"] = summary["exact_ok"] and summary["tiered_triton_vs_reference_long"][
-            "equal_on_decidable_prefix"]
+        tiered = summary["tiered_triton_vs_reference_long"] = compare(
+            results["oscar_tiered"]["long"], results["oscar_tiered_reference_ops"]["long"])
+        summary["exact_ok"] = summary["exact_ok"] and tiered["equal_up_to_tie"] == tiered["prompts"]
     (OUT / "cuda_check.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     if not summary["exact_ok"]:

@@ -7,6 +7,8 @@ with OSCAR (Hadamard, sink + window >= prompt length, so no INT2 is read):
 R_V is folded into the FP8 ``v_proj`` rows and ``o_proj`` columns with
 requantization (``backends/fp8_weights.py``), so the two runs differ only by
 that requantization. Results: ``$OUT/cuda_fp8_check.json``.
+
+    python -m scripts.cuda_fp8_check
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from evalkit.compare import compare
+
 FP8_DIR = Path("/tmp/kvq_cuda_fp8_model")
 os.environ["KVQ_CUDA_MODEL"] = str(FP8_DIR)
-import cuda_check  # noqa: E402  (reads KVQ_CUDA_MODEL)
+from scripts import cuda_check  # noqa: E402  (reads KVQ_CUDA_MODEL)
 
 BLOCK = 128
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,15 +65,10 @@ def main() -> None:
     results = {}
     for name, (backend, kvq) in runs.items():
         path = FP8_DIR.parent / f"kvq_cuda_{name}.json"
-        subprocess.run([sys.executable, cuda_check.__file__, "engine", backend, kvq, str(path)], check=True,
+        subprocess.run([sys.executable, "-m", "scripts.cuda_check", "engine", backend, kvq, str(path)], check=True,
                        env=dict(os.environ, KVQ_CUDA_MODEL=str(FP8_DIR)))
-        results[name] = json.loads(path.read_text())
-    base = results["fp8_bf16_kv"]["short"]
-    prefix = cuda_check.decidable_prefix(base)
-    run = results["fp8_oscar_hadamard"]["short"]
-    summary = {"compare_200_tokens": cuda_check.compare(run, base), "decidable_tokens": sum(prefix),
-               "equal_on_decidable_prefix": sum(a[:k] == b[:k] for a, b, k in zip(run["tokens"], base["tokens"], prefix)),
-               "prompts": len(prefix),
+        results[name] = cuda_check.read_run(path)
+    summary = {"compare_200_tokens": compare(results["fp8_oscar_hadamard"]["short"], results["fp8_bf16_kv"]["short"]),
                "kv_cache_size_tokens": {n: r["kv_cache_size_tokens"] for n, r in results.items()}}
     (out_dir / "cuda_fp8_check.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))

@@ -18,19 +18,19 @@ batch: padding rows have length 0, slot -1 and a NULL block-table row, and
 must change nothing. Prefills are chunked (2048 tokens a step), so decodes
 also run inside eager mixed batches.
 
-Reported per mode: greedy tokens, logprobs and top-2 margins (as
+Reported per mode: greedy tokens and their top-2 logprobs (as
 scripts/cuda_check.py), and the graph record: graphs captured, graph replays
 during generation, and what OSCAR saw (its metadata builds by kind, how many
 decode builds had padding rows, its forward calls on decode-only batches:
 none when every decode step replays a graph). Each graphs mode is compared
-with its eager mode: sequences equal, first divergence, the eager top-2
-logprob margin there and |dlogprob| before it; OSCAR eager is also compared
+with its eager mode (``evalkit.compare``: tokens equal up to the eager run's
+first near tie, where they first differ, |dlogprob|); OSCAR eager is also compared
 with BF16 eager on the 200-token prompts (a store that wrote nothing would
 show there, not between two OSCAR runs). Each engine runs in its own
 process (a failed start is reported and the next mode still runs); the
 summary is rewritten after each one, to ``$OUT/cuda_graph_check.json``.
 
-    python scripts/cuda_graph_check.py [--modes oscar_eager oscar_graphs ...]
+    python -m scripts.cuda_graph_check [--modes oscar_eager oscar_graphs ...]
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import cuda_check  # noqa: E402  (the model restore, the prompts, the tie margin)
+from evalkit.compare import compare, record
+from scripts import cuda_check  # the model restore, the prompts, the engine's records
 
 OUT = Path(os.environ.get("OUT", "/tmp/kvq_out"))
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
@@ -58,7 +58,6 @@ MODES = {  # name: (attention backend, graphs)
     "bf16_graphs": ("TRITON_ATTN", True),
 }
 PAIRS = {"oscar": ("oscar_eager", "oscar_graphs"), "bf16": ("bf16_eager", "bf16_graphs")}
-TIE = cuda_check.TIE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -180,34 +179,11 @@ def run_engine(mode: str, args: argparse.Namespace) -> None:
     for kind, count in (("short", args.short), ("long", args.long)):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cuda_check.prompts(kind)[:count]], params,
                             use_tqdm=False)
-        result[kind] = cuda_check.greedy_record(outs)
+        result[kind] = record(outs)
     record.live = False
     result["record"] = record.as_dict()
     result["generate_s"] = time.perf_counter() - t0 - result["start_s"]
     Path(args.engine_out).write_text(json.dumps(result))
-
-
-def compare(run: dict, base: dict) -> dict:
-    """``run`` against ``base`` (the eager run of the same backend; for the
-    sanity row, BF16's eager run): the reference's top-2 margin at each
-    divergence, and whether every prompt agrees up to the reference's first
-    near tie (margin < TIE), the criterion of scripts/cuda_check.py."""
-    # the first step that differs (a sequence that ended earlier chose EOS there)
-    first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-             for a, b in zip(run["tokens"], base["tokens"])]
-    equal = sum(a == b for a, b in zip(run["tokens"], base["tokens"]))
-    diffs = [abs(x - y) for lr, lb, f in zip(run["logprobs"], base["logprobs"], first) for x, y in zip(lr[:f], lb[:f])]
-    margins = [round(m[0] - m[1], 4) if len(m) > 1 else None
-               for ms, f, a in zip(base["margins"], first, base["tokens"]) if f < len(a) for m in ms[f:f + 1]]
-    prefix = [next((i for i, m in enumerate(steps) if len(m) > 1 and m[0] - m[1] < TIE), len(steps))
-              for steps in base["margins"]]
-    return {"sequences_equal": f"{equal}/{len(first)}",
-            "logprobs_bit_identical": run["logprobs"] == base["logprobs"],
-            "first_divergence": first, "reference_top2_margin_at_divergence": margins,
-            "logprob_absdiff_mean": sum(diffs) / max(len(diffs), 1), "logprob_absdiff_max": max(diffs, default=0.0),
-            "equal_on_decidable_prefix": all(a[:k] == b[:k] for a, b, k in
-                                             zip(run["tokens"], base["tokens"], prefix)),
-            "decidable_tokens": sum(prefix)}
 
 
 def graph_evidence(run: dict) -> dict:
@@ -247,15 +223,14 @@ def summarize(results: dict, args: argparse.Namespace) -> dict:
                "short_200": compare(results[graphs]["short"], results[eager]["short"]),
                "long_1500": compare(results[graphs]["long"], results[eager]["long"])}
         res["ok"] = (res["graphs"]["ok"] and res["eager"]["graph_replays"] == 0
-                     and res["short_200"]["equal_on_decidable_prefix"]
-                     and res["long_1500"]["equal_on_decidable_prefix"])
+                     and all(res[k]["equal_up_to_tie"] == res[k]["prompts"] for k in ("short_200", "long_1500")))
         summary[backend] = res
         checks.append(res["ok"])
     if all(m in results and "error" not in results[m] for m in ("oscar_eager", "bf16_eager")):
         # sanity: OSCAR stores and reads what it should (200-token prompts fit sink + window)
         sanity = compare(results["oscar_eager"]["short"], results["bf16_eager"]["short"])
         summary["oscar_eager_vs_bf16_eager_short_200"] = sanity
-        checks.append(sanity["equal_on_decidable_prefix"])
+        checks.append(sanity["equal_up_to_tie"] == sanity["prompts"])
     summary["ok"] = "oscar" in summary and "error" not in summary["oscar"] and all(checks)
     return summary
 
@@ -277,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         path, log = OUT / f"cuda_graph_{mode}.json", OUT / f"cuda_graph_{mode}.log"
         path.unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--engine", mode, "--engine-out", str(path), "--short", str(args.short),
+        cmd = [sys.executable, "-m", "scripts.cuda_graph_check", "--engine", mode, "--engine-out", str(path), "--short", str(args.short),
                "--long", str(args.long), "--max-tokens", str(args.max_tokens), "--kvq", args.kvq]
         t = time.perf_counter()
         try:
@@ -288,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             rc = "timeout"
         text = log.read_text(errors="replace") if log.exists() else ""
         if rc == 0 and path.exists():
-            results[mode] = json.loads(path.read_text())
+            results[mode] = cuda_check.read_run(path)
             # vLLM's own word: the capture progress and time, any fallback of the graph mode
             marks = ("Graph capturing finished", "Capturing CUDA graphs", "is not supported with")
             results[mode]["vllm_log"] = [x.strip()[:300] for x in text.splitlines()

@@ -50,7 +50,7 @@ device call: with ``--keep DIR`` every finished engine's result is kept in DIR
 and taken from there by the next call on the same machine instead of run again
 (``from_earlier_call``), so consecutive calls complete it.
 
-    python scripts/cuda_state_check.py [check] [speed] [--only NAME ...] [--budget-s 540] [--keep DIR]
+    python -m scripts.cuda_state_check [check] [speed] [--only NAME ...] [--budget-s 540] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ import time
 import types
 from pathlib import Path
 
+from evalkit.compare import compare, from_json, record
+
 OUT = Path(os.environ.get("OUT", "/tmp/kvq_out"))
-TIE = 0.25
 SMALL = {
     "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "dtype": "bfloat16",
     "hidden_size": 512, "intermediate_size": 768, "num_hidden_layers": 8, "head_dim": 128,
@@ -221,13 +222,11 @@ def engine(job: dict) -> dict:
     t = time.time()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.time() - t
-    res.update(wall_s=wall, tokens=[list(o.outputs[0].token_ids) for o in outs],
-               tok_s=job["requests"] * job["gen"] / wall)
+    res.update(wall_s=wall, tok_s=job["requests"] * job["gen"] / wall)
     if "prefill_wall_s" in res and wall > res["prefill_wall_s"]:
         res["decode_tok_s"] = job["requests"] * (job["gen"] - 1) / (wall - res["prefill_wall_s"])
     if job["logprobs"]:
-        res["logprobs"] = [[{int(t): float(lp.logprob) for t, lp in step.items()} for step in o.outputs[0].logprobs]
-                           for o in outs]
+        res.update(record(outs))
     layers = llm.apply_model(allocated_state_bytes)[0]
     res["triton_calls_in_job"] = calls(layers) - before  # decode steps that ran the step from Python, not a graph
     packed = [x for x in layers if x["bits"] is not None]
@@ -240,12 +239,9 @@ def engine(job: dict) -> dict:
 
 
 def read_result(path: Path) -> dict:
-    """An engine's result from its JSON, the logprobs' token ids back to ints (JSON keys are strings:
-    left as strings, ``compare`` would find no token and report every difference as 0)."""
+    """An engine's result from its JSON, its record's token ids restored."""
     res = json.loads(path.read_text())
-    if "logprobs" in res:
-        res["logprobs"] = [[{int(t): lp for t, lp in step.items()} for step in seq] for seq in res["logprobs"]]
-    return res
+    return from_json(res) if "logprobs" in res else res
 
 
 def run(name: str, job: dict) -> dict:
@@ -258,7 +254,7 @@ def run(name: str, job: dict) -> dict:
     t = time.time()
     with log.open("w") as f:
         try:
-            proc = subprocess.run([sys.executable, __file__, "--engine"], env=env, stdout=f, stderr=subprocess.STDOUT,
+            proc = subprocess.run([sys.executable, "-m", "scripts.cuda_state_check", "--engine"], env=env, stdout=f, stderr=subprocess.STDOUT,
                                   timeout=job["timeout"])
             rc = proc.returncode
         except subprocess.TimeoutExpired:
@@ -274,22 +270,6 @@ def run(name: str, job: dict) -> dict:
     at = next((i for i in range(len(tail) - 1, -1, -1) if "Error" in tail[i] or "Exception" in tail[i]), None)
     last = "" if at is None else " ".join(line.strip() for line in tail[at : at + 2])
     return {"error": f"engine {why}: {last[:300]} (log: {log})", "log_tail": tail, "engine_s": took}
-
-
-def compare(got: dict, ref: dict) -> dict:
-    compared, equal_prompts, diffs = 0, 0, []
-    for a, b, lps in zip(got["tokens"], ref["tokens"], ref["logprobs"]):
-        margins = [(lambda top: top[0] - top[1])(sorted(step.values(), reverse=True)) for step in lps]
-        clear = next((i for i, m in enumerate(margins) if m < TIE), len(margins))
-        ok = a[:clear] == b[:clear]
-        equal_prompts += ok
-        compared += clear
-    for a, la, lb, b in zip(got["tokens"], got["logprobs"], ref["logprobs"], ref["tokens"]):
-        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-        diffs += [abs(x[t] - y[t]) for x, y, t in zip(la[: same + 1], lb[: same + 1], b[: same + 1]) if t in x]
-    return {"equal_up_to_tie": equal_prompts, "prompts": len(ref["tokens"]), "tokens_compared": compared,
-            "whole_sequences_equal": sum(a == b for a, b in zip(got["tokens"], ref["tokens"])),
-            "dlogprob_mean": sum(diffs) / max(len(diffs), 1), "dlogprob_max": max(diffs, default=0.0)}
 
 
 def summarize(report: dict, results: dict) -> None:
@@ -380,7 +360,10 @@ def main() -> None:
     steps = args.steps or ["check", "speed"]
     OUT.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    report: dict = {}
+    import torch
+
+    report: dict = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    "date": time.strftime("%Y-%m-%d")}
     if "check" in steps:
         report["check"] = {"config": {k: SMALL[k] for k in ("hidden_size", "num_hidden_layers",
                                                              "linear_num_value_heads")},

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU (a GPU machine with the vLLM 0.32 bundle of
-# ../shared/gpu-vllm copied to .gpu-vllm and the packed house model of
-# scripts/pack_for_gpu.py in .device-carry/house-qwen3). Results: $OUT.
+# Everything that needs the GPU (a GPU machine with vLLM 0.32's CUDA build, or
+# its bundle in .gpu-vllm, and the packed house model of
+# python -m scripts.pack_for_gpu in .device-carry/house-qwen3). Results: $OUT.
 # Steps, all by default, or the ones named: bash scripts/h200.sh check e2e
 #   tests  the Triton kernel tests at serving shapes, compiled (~4 min);
 #   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits);
@@ -38,7 +38,7 @@ KEEP=/tmp/kvq_state_keep  # the state check's finished engines, for the next cal
 need() { [[ -e $2 ]] || { echo "step $1 needs $2 ($3)"; exit 2; }; }
 for s in check graphs calib; do
   [[ $steps == *" $s "* ]] && need $s .device-carry/house-qwen3/config.json \
-    "python scripts/pack_for_gpu.py .device-carry/house-qwen3"
+    "python -m scripts.pack_for_gpu .device-carry/house-qwen3"
 done
 [[ $steps == *" check "* ]] && need check examples/artifacts/house-qwen3-oscar/manifest.json "the calibrated artifact"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
@@ -52,62 +52,61 @@ if [[ $steps == *" statetests "* ]]; then
     > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"; tail -15 "$OUT/stepquant_tests.log"
 fi
 if [[ $steps == *" bench "* ]]; then
-  timeout 300 python3 benchmarks/oscar_kernels.py 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
+  timeout 300 python3 -m benchmarks.oscar_kernels 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
 fi
 if [[ $steps == *" bench-hybrid "* ]]; then
-  timeout 300 python3 benchmarks/oscar_kernels.py --sections hybrid_blocks splits 2>&1 | grep "block_size\|splits"
+  timeout 300 python3 -m benchmarks.oscar_kernels --sections hybrid_blocks splits 2>&1 | grep "block_size\|splits"
   echo "bench hybrid rc=$?"
 fi
 if [[ $steps == *" check "* ]]; then
-  timeout 330 python3 scripts/cuda_check.py > "$OUT/cuda_check.log" 2>&1; echo "cuda check rc=$?"
+  timeout 330 python3 -m scripts.cuda_check > "$OUT/cuda_check.log" 2>&1; echo "cuda check rc=$?"
   [ -f "$OUT/cuda_check.json" ] && cat "$OUT/cuda_check.json"
 fi
 if [[ $steps == *" graphs "* ]]; then
-  timeout 560 python3 scripts/cuda_graph_check.py > "$OUT/cuda_graph_check.log" 2>&1; echo "cuda graph check rc=$?"
+  timeout 560 python3 -m scripts.cuda_graph_check > "$OUT/cuda_graph_check.log" 2>&1; echo "cuda graph check rc=$?"
   [ -f "$OUT/cuda_graph_check.json" ] && cat "$OUT/cuda_graph_check.json" || tail -40 "$OUT/cuda_graph_check.log"
 fi
 if [[ $steps == *" e2e "* ]]; then
-  timeout 560 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
+  timeout 560 python3 -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
     --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
 fi
 if [[ $steps == *" e2e-graphs "* ]]; then
-  timeout 560 python3 benchmarks/oscar_vllm_e2e.py --prompt-len 32768 --gen 512 --requests 18 --gpu-mem 0.15 \
+  timeout 560 python3 -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 18 --gpu-mem 0.15 \
     --cuda-graphs --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e graphs rc=$?"
 fi
 if [[ $steps == *" state "* ]]; then
-  timeout 570 python3 scripts/cuda_state_check.py --budget-s 520 --keep $KEEP > "$OUT/cuda_state_check.log" 2>&1
+  timeout 570 python3 -m scripts.cuda_state_check --budget-s 520 --keep $KEEP > "$OUT/cuda_state_check.log" 2>&1
   echo "state check rc=$?"; tail -60 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
 if [[ $steps == *" state-e2e "* ]]; then
-  timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
+  timeout 580 python3 -m benchmarks.stepquant_vllm_e2e --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
     --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12; echo "state e2e rc=$?"
 fi
 if [[ $steps == *" state-graphs "* ]]; then
-  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 --keep $KEEP \
+  timeout 570 python3 -m scripts.cuda_state_check check --budget-s 520 --keep $KEEP \
     --only stepquant_mixed stepquant_mixed_graphs uniform_int6_default_graphs > "$OUT/cuda_state_check.log" 2>&1
   echo "state graphs rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
 if [[ $steps == *" state-oscar "* ]]; then
-  timeout 570 python3 scripts/cuda_state_check.py check --budget-s 520 --keep $KEEP \
+  timeout 570 python3 -m scripts.cuda_state_check check --budget-s 520 --keep $KEEP \
     --only stepquant_mixed oscar_stepquant_mixed oscar_stepquant_mixed_graphs \
     oscar_stepquant_mixed_staged > "$OUT/cuda_state_check.log" 2>&1
   echo "state oscar rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
 if [[ $steps == *" state-e2e-graphs "* ]]; then
-  timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
+  timeout 580 python3 -m benchmarks.stepquant_vllm_e2e --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
     --cuda-graphs --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12
   echo "state e2e graphs rc=$?"
 fi
 if [[ $steps == *" fp8 "* ]]; then
-  timeout 240 python3 scripts/cuda_fp8_check.py > "$OUT/cuda_fp8_check.log" 2>&1; echo "fp8 check rc=$?"
+  timeout 240 python3 -m scripts.cuda_fp8_check > "$OUT/cuda_fp8_check.log" 2>&1; echo "fp8 check rc=$?"
   [ -f "$OUT/cuda_fp8_check.json" ] && cat "$OUT/cuda_fp8_check.json"
 fi
 if [[ $steps == *" calib "* ]]; then
-  carry=.device-carry/house-qwen3
-  timeout 420 python3 benchmarks/calibration_time.py --random-shape qwen3-8b --device cuda --dtype bfloat16 \
-    --tokenizer $carry --data $carry/code-dev.txt.gz --json "$OUT/calibration-time-gpu.json" 2>&1 | tail -3
+  timeout 420 python3 -m benchmarks.calibration_time --random-shape qwen3-8b --device cuda --dtype bfloat16 \
+    --tokenizer .device-carry/house-qwen3 --json "$OUT/calibration-time-gpu.json" 2>&1 | tail -3
   echo "calib rc=$?"
 fi

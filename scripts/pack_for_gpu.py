@@ -1,5 +1,5 @@
-"""Pack house-qwen3, its tokenizer, the calibration text and tokenized prompts
-small enough to travel to a GPU machine.
+"""Pack house-qwen3, its tokenizer and tokenized prompts small enough to travel
+to a GPU machine.
 
 A trained model is needed for the CUDA token-equality check: a random-weight
 model predicts near-uniformly, so any rounding difference flips greedy ties.
@@ -8,12 +8,11 @@ one fp16 scale per row (22 MB) and restored to bf16 on the GPU machine by
 ``scripts/cuda_check.py``. The restored model is a slightly different (still
 trained, still confident) model; both backends run the same restored weights.
 
-    python scripts/pack_for_gpu.py OUT_DIR
+    python -m scripts.pack_for_gpu OUT_DIR
 """
 
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 import sys
@@ -21,11 +20,10 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL = REPO / "examples" / "models" / "house-qwen3"
-EVAL = REPO.parent / "shared" / "eval"
+from evalkit.data import MODELS, code_text, tokenizer
+
+MODEL = MODELS / "house-qwen3"
 
 
 def pack_weights(out: Path) -> None:
@@ -40,14 +38,11 @@ def pack_weights(out: Path) -> None:
     save_file(packed, out / "model.int8.safetensors")
     for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(MODEL / f, out / f)
-    shutil.copy(EVAL / "code-dev.txt.gz", out / "code-dev.txt.gz")  # calibration text for the GPU timing
 
 
 def pack_prompts(out: Path) -> None:
     """48 short prompts (exact check) and 8 of 1500 tokens (INT2 active) from the dev data."""
-    tok = AutoTokenizer.from_pretrained(MODEL)
-    text = gzip.open(EVAL / "code-dev.txt.gz", "rt").read()
-    ids = tok(text[:400_000])["input_ids"]
+    ids = tokenizer(str(MODEL))(code_text()[:400_000])["input_ids"]
     short = [ids[i * 1200 : i * 1200 + 200] for i in range(48)]
     long = [ids[60_000 + i * 5000 : 60_000 + i * 5000 + 1500] for i in range(8)]
     (out / "prompts.json").write_text(json.dumps({"short": short, "long": long}))
