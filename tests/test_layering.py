@@ -37,7 +37,7 @@ def violations() -> list[str]:
             other, other_part = layer(target)
             if other > own or (own == other == 2 and part != other_part):
                 bad.append(f"{module} imports {target}")
-    return bad
+    return sorted(bad)
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

@@ -119,23 +119,11 @@ def test_reference_path_metadata():
     ({"kernels": "auto"}, "NEVER"),  # the reference ops on this CPU
 ])
 def test_cudagraph_support(kvq, support):
-    """What OSCAR declares, and the mode vLLM resolves from it: full graphs for
-    decode batches (eager or piecewise for the rest) with the Triton path, none
-    with the reference ops (they loop over requests on the host)."""
-    from vllm.config import CompilationConfig, CUDAGraphMode
+    """What OSCAR declares to vLLM: full graphs for decode batches with the
+    Triton path, none with the reference ops (they loop over requests on the
+    host)."""
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from vllm_kvq.backends.oscar import OscarMetadataBuilder
 
-    level = OscarMetadataBuilder.get_cudagraph_support(_config(**kvq), None)
-    assert level == AttentionCGSupport[support]
-    # without torch.compile: FULL (mixed batches too) falls back to FULL_DECODE_ONLY, or fails
-    want = {"UNIFORM_SINGLE_TOKEN_DECODE": {"FULL_DECODE_ONLY": "FULL_DECODE_ONLY", "FULL": "FULL_DECODE_ONLY"},
-            "NEVER": {"FULL_DECODE_ONLY": "NONE", "FULL": ValueError}}[support]
-    for asked, resolved in want.items():
-        cc = CompilationConfig(mode=0, cudagraph_mode=asked, cudagraph_capture_sizes=[1, 2, 4, 8])
-        if resolved is ValueError:
-            with pytest.raises(ValueError):
-                cc.resolve_cudagraph_mode_and_sizes(level, "OSCAR")
-        else:
-            assert cc.resolve_cudagraph_mode_and_sizes(level, "OSCAR") == CUDAGraphMode[resolved]
+    assert OscarMetadataBuilder.get_cudagraph_support(_config(**kvq), None) == AttentionCGSupport[support]

@@ -185,3 +185,54 @@ def test_mla_model_is_refused(tmp_path):
     shutil.copy(REPO / "examples" / "models" / "house-qwen3" / "tokenizer.json", tmp_path)
     with pytest.raises(Exception, match="OSCAR does not support MLA models; drop --attention-backend OSCAR"):
         engine_config(model=str(tmp_path), oscar={}, skip_tokenizer_init=True)
+
+
+def test_state_pool_needs_a_gdn_model():
+    with pytest.raises(Exception, match="no GDN layers"):
+        engine_config(additional_config={"kvq": {"state": "uniform"}})
+
+
+@pytest.mark.parametrize("kvq, message", [
+    ({"state": "stepquant"}, "needs kvq.state_artifact"),
+    ({"state": "uniform", "state_bits": 5}, "state_bits must be one of"),
+    ({"state": "int6"}, "kvq.state must be one of"),
+    ({"state_artifact": "/nowhere"}, "kvq.state is not"),
+])
+def test_bad_state_settings_fail_at_start(kvq, message):
+    with pytest.raises(Exception, match=message):
+        engine_config("house-qwen3next", dtype="bfloat16", additional_config={"kvq": kvq})
+
+
+@pytest.mark.parametrize("mode, kvq, message", [
+    ("NONE", {}, None),
+    ("FULL_DECODE_ONLY", {}, None),
+    ("FULL_AND_PIECEWISE", {}, "cudagraph_mode FULL_AND_PIECEWISE.*FULL_DECODE_ONLY.*--enforce-eager"),
+    ("PIECEWISE", {}, "cudagraph_mode PIECEWISE.*FULL_DECODE_ONLY"),
+    ("FULL", {}, "cudagraph_mode FULL\\).*FULL_DECODE_ONLY"),
+    ("FULL_DECODE_ONLY", {"kernels": "reference"}, "'reference' stages them.*--enforce-eager"),
+    ("FULL_DECODE_ONLY", {"k_dim": 96}, "power-of-two K.*--enforce-eager"),
+])
+def test_cuda_graph_modes_the_state_pool_takes(mode, kvq, message):
+    """On CUDA, full graphs may capture decode-only batches (the Triton step)
+    and nothing that stages states: the decision at start, for every mode."""
+    import dataclasses
+    import types
+
+    from transformers import AutoConfig
+    from vllm.config import CompilationConfig, CUDAGraphMode
+
+    from vllm_kvq.backends import settings as kvq_settings
+    from vllm_kvq.backends.resolve import pool_plan
+    from vllm_kvq.backends.startup import _check_state_graphs
+
+    k_dim = kvq.pop("k_dim", None)
+    s = kvq_settings.OscarSettings.from_dict({"state": "uniform", **kvq})
+    plan = pool_plan(s, AutoConfig.from_pretrained(model_path("house-qwen3next")), 1)
+    if k_dim:
+        plan = dataclasses.replace(plan, k_dim=k_dim)
+    config = types.SimpleNamespace(compilation_config=CompilationConfig(cudagraph_mode=CUDAGraphMode[mode]))
+    if message is None:
+        _check_state_graphs(config, s, plan)
+    else:
+        with pytest.raises(ValueError, match=message):
+            _check_state_graphs(config, s, plan)

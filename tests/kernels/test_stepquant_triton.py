@@ -278,29 +278,6 @@ def test_cuda_decode_path_matches_staged_step(fit):
     assert torch.equal(after[~touched], before[~touched])
 
 
-def test_cuda_decode_dispatch():
-    """Which batches the CUDA wrapper sends to the Triton step (vLLM's real metadata class)."""
-    pytest.importorskip("vllm")
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-
-    from vllm_kvq.backends.state_pool import LayerPool, _is_decode_batch, decode_plan
-
-    def md(decodes, prefills):
-        return GDNAttentionMetadata(num_prefills=prefills, num_prefill_tokens=7 * prefills, num_decodes=decodes,
-                                    num_decode_tokens=decodes, num_spec_decodes=0, num_spec_decode_tokens=0,
-                                    num_actual_tokens=decodes + 7 * prefills)
-
-    assert _is_decode_batch(md(4, 0))
-    assert not _is_decode_batch(md(4, 1)) and not _is_decode_batch(md(0, 2))
-    lay = StateLayout((6, 16), 32, 32)
-    pool = LayerPool(lay, torch.ones(2, 32), "rowwise", torch.float32)
-    plan = decode_plan(pool, torch.device(DEV))
-    assert isinstance(plan, StepPlan) and plan.rowwise and decode_plan(pool, torch.device(DEV)) is plan
-    assert decode_plan(LayerPool(lay, torch.ones(2, 32), "stepquant", torch.float32, "reference"), DEV) is None
-    odd = LayerPool(StateLayout((6,), 48, 32), torch.ones(1, 48), "stepquant", torch.float32)
-    assert decode_plan(odd, torch.device(DEV)) is None  # K = 48: the kernel needs powers of two; stays staged
-
-
 def test_repeated_steps_stay_on_the_reference_trajectory():
     """Feed each side its own records for a few steps: rare code flips must not compound."""
     bits, kd, vd, n = (2, 6, 16), 32, 32, 2
