@@ -1,34 +1,29 @@
-"""Shared helpers: the vendored house models and small vLLM engines on CPU."""
+"""Shared helpers: the house models, small vLLM engines on CPU, and one engine
+per configuration for the whole session (:func:`engines`)."""
 
 import gc
 import json
 import os
-from pathlib import Path
+from collections import OrderedDict
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-MODELS = REPO / "examples" / "models"
-EVAL = REPO.parent / "shared" / "eval"
+from evalkit.data import MODELS, REPO, model_path, needles, tokenizer_path  # noqa: F401  (test modules import them)
 
 os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model ships the tests' probes
+# vLLM's default pins each engine's OpenMP threads and keeps a core for its
+# scheduler: on two cores an engine would compute on one
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter. Triton picks
     # the mode when a kernel is defined, so this must hold before any test
     # module (collected in any order) imports a kernel module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def model_path(name: str = "house-qwen3") -> str:
-    return str(MODELS / name)
-
-
-def needles(max_tokens: int = 4096, limit: int | None = None, min_tokens: int = 0) -> list[dict]:
-    rows = [json.loads(line) for line in (EVAL / "needles-dev.jsonl").open()]
-    rows = [r for r in rows if min_tokens <= r["prompt_tokens"] <= max_tokens]
-    return rows[:limit] if limit else rows
+ENGINES_ALIVE = 3  # engines kept for later tests; each holds its KV cache, weights and processes
 
 
 def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs) -> dict:
@@ -43,8 +38,8 @@ def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs)
         enable_prefix_caching=False,
         seed=0,
     )
-    if model == "house-qwen2":
-        args["tokenizer"] = str(MODELS / "house-qwen2" / "tokenizer")
+    if tokenizer_path(model) != args["model"]:
+        args["tokenizer"] = tokenizer_path(model)
     if oscar is not None:
         args.update(attention_backend="OSCAR", additional_config={"kvq": oscar})
     args.update(kwargs)
@@ -52,7 +47,8 @@ def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs)
 
 
 def make_llm(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
-    """A small CPU engine (:func:`engine_args`)."""
+    """A small CPU engine (:func:`engine_args`) of the caller's own; shut it
+    down with :func:`shutdown`."""
     from vllm import LLM
 
     return LLM(**engine_args(model, oscar, **kwargs))
@@ -76,6 +72,39 @@ def shutdown(llm) -> None:
         pass
     del llm
     gc.collect()
+
+
+class Engines:
+    """Engines shared by every test of the session: the same arguments give
+    the same engine. At most ``limit`` stay alive; the least recently used
+    is shut down to make room."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.alive: OrderedDict = OrderedDict()
+
+    def __call__(self, model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
+        key = json.dumps(engine_args(model, oscar, **kwargs), sort_keys=True, default=str)
+        llm = self.alive.pop(key, None)
+        if llm is None:
+            while len(self.alive) >= self.limit:
+                shutdown(self.alive.popitem(last=False)[1])
+            llm = make_llm(model, oscar, **kwargs)
+        self.alive[key] = llm
+        return llm
+
+    def close(self) -> None:
+        while self.alive:
+            shutdown(self.alive.popitem()[1])
+
+
+@pytest.fixture(scope="session")
+def engines():
+    """``engines(model, oscar, **kwargs)``: the session's engine of that
+    configuration (:func:`engine_args`), started on first use."""
+    cache = Engines(ENGINES_ALIVE)
+    yield cache
+    cache.close()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 allocate, against the worked page sizes of docs/design.md, and its output."""
 
 import json
-import os
 
 import pytest
 
@@ -75,7 +74,6 @@ def engine_figures(label: str) -> dict:
     from evalkit.probe import allocated_state_bytes
 
     (model, _), kwargs, max_len, budget = ENGINES[label]
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
     llm = make_llm(model, dtype="bfloat16", mamba_ssm_cache_dtype="float32", max_model_len=max_len,
                    kv_cache_memory_bytes=budget, **kwargs)
     try:
@@ -97,7 +95,6 @@ def test_capacity_and_state_pages_equal_the_engines(label, qwen3, qwen3next):
     (model, _), _, max_len, budget = ENGINES[label]
     lay = (qwen3 if model == "house-qwen3" else qwen3next)[label]
     got = engine_figures(label)
-    print(f"\n{label}: engine {got}")
     assert got["tokens"] == lay.tokens(budget, max_len)
     assert got["concurrency"] == lay.concurrency(budget, max_len)
     assert got["blocks"] == lay.num_blocks(budget)

@@ -13,7 +13,9 @@ import shutil
 
 import pytest
 
-from tests.conftest import EVAL, MODELS, make_llm, shutdown
+from evalkit.compare import compare
+from evalkit.data import CODE
+from tests.conftest import MODELS, make_llm, needles, shutdown
 
 pytestmark = pytest.mark.slow
 
@@ -41,18 +43,15 @@ def glm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def glm_artifact(glm_dir, tmp_path_factory):
-    from vllm_kvq.calib.calibrate import calibrate
+    from vllm_kvq.calib.calibrate import INT2, calibrate
 
     out = tmp_path_factory.mktemp("glm-artifact")
-    calibrate(str(glm_dir), str(EVAL / "code-dev.txt.gz"), str(out), tokens=2048, seq_len=512)
+    calibrate(str(glm_dir), str(CODE), str(out), tokens=2048, seq_len=512, tiers=INT2)
     return out
 
 
 def prompts():
-    import json
-
-    rows = [json.loads(line) for line in (EVAL / "needles-dev.jsonl").open()][:4]
-    return [r["prompt"][:1200] for r in rows]
+    return [r["prompt"][:1200] for r in needles(limit=4)]
 
 
 def run(glm_dir, greedy, **kw):
@@ -72,12 +71,8 @@ def test_calibrated_glm_is_exact_while_everything_is_bf16(glm_dir, glm_artifact,
     ref = run(glm_dir, greedy, attention_backend="CPU_ATTN")
     got = run(glm_dir, greedy, oscar={"artifact": str(glm_artifact), "sink": 512, "window": 512,
                                                  "override_artifact": True})
-    diffs = []
-    for a, b in zip(got, ref):
-        assert len(b.prompt_token_ids) + 16 <= 1024
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        diffs += [abs(la[t].logprob - lb[t].logprob)
-                  for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids)]
-    print(f"\nlogprob |diff| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f} over {len(diffs)} tokens")
+    assert all(len(b.prompt_token_ids) + 16 <= 1024 for b in ref)
+    out = compare(got, ref)
+    assert out["whole_sequences_equal"] == len(ref)
     # the cache keeps K/V rows in BF16 while CPU_ATTN runs fp32: the bound of the house-model exactness test
-    assert sum(diffs) / len(diffs) < 0.02 and max(diffs) < 0.1
+    assert out["dlogprob_mean"] < 0.02 and out["dlogprob_max"] < 0.1

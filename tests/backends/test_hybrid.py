@@ -12,12 +12,13 @@ o_proj, so R_V is folded into the V rows only and the backend un-rotates.
 
 import pytest
 
-from tests.conftest import EVAL, make_llm, model_path, needles, shutdown
+from evalkit.compare import compare
+from evalkit.data import CODE
+from tests.conftest import make_llm, model_path, needles, shutdown
 
 pytestmark = pytest.mark.slow
 MODEL = "house-qwen3next"
 MAX_LEN = 8192
-TIE = 0.25  # top-2 logprob margin under which a bf16 model's greedy choice is a coin toss (4 bf16 steps)
 
 
 def generate(greedy, prompts, **kw):
@@ -34,10 +35,10 @@ def generate(greedy, prompts, **kw):
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
     """Per-KV-head rotations of the two attention layers, from ``vllm-kvq calibrate``."""
-    from vllm_kvq.calib.calibrate import calibrate
+    from vllm_kvq.calib.calibrate import INT2, calibrate
 
     out = tmp_path_factory.mktemp("qwen3next-artifact")
-    calibrate(model_path(MODEL), str(EVAL / "code-dev.txt.gz"), str(out), tokens=2048, seq_len=512)
+    calibrate(model_path(MODEL), str(CODE), str(out), tokens=2048, seq_len=512, tiers=INT2)
     return out
 
 
@@ -45,16 +46,11 @@ def test_hybrid_exact_while_everything_is_bf16_and_capacity(greedy, artifact):
     short = [r["prompt"][:600] for r in needles(limit=4)]  # sink + window cover them
     cap_ref, ref = generate(greedy, short, attention_backend="CPU_ATTN")
     cap, got = generate(greedy, short, oscar={"artifact": str(artifact)})
-    diffs = []
-    for a, b in zip(got, ref):
-        assert len(b.prompt_token_ids) + 16 <= 64 + 256
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        diffs += [abs(la[t].logprob - lb[t].logprob)
-                  for la, lb, t in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, b.outputs[0].token_ids)]
-    print(f"\nlogprob |diff| mean {sum(diffs) / len(diffs):.4f} max {max(diffs):.4f} over {len(diffs)} tokens")
-    assert sum(diffs) / len(diffs) < 0.02 and max(diffs) < 0.1
+    assert all(len(b.prompt_token_ids) + 16 <= 64 + 256 for b in ref)
+    out = compare(got, ref)
+    assert out["whole_sequences_equal"] == len(short)
+    assert out["dlogprob_mean"] < 0.02 and out["dlogprob_max"] < 0.1
     # same KV budget: GDN states are per request and fixed, attention pages shrink 7x
-    print(f"KV capacity at max_model_len {MAX_LEN}: BF16 {cap_ref:,} tokens, OSCAR {cap:,} ({cap / cap_ref:.2f}x)")
     assert cap >= 4 * cap_ref
 
 
@@ -66,12 +62,6 @@ def test_hybrid_tp2_equals_tp1_with_int2_active(greedy, monkeypatch):
     _, one = generate(greedy, prompts, oscar=kvq)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     _, two = generate(greedy, prompts, oscar=kvq, tensor_parallel_size=2, distributed_executor_backend="mp")
-    compared = 0
-    for a, b in zip(two, one):
-        steps = b.outputs[0].logprobs
-        margins = [(lambda top: top[0] - top[1])(sorted((x.logprob for x in lp.values()), reverse=True)) for lp in steps]
-        clear = next((i for i, m in enumerate(margins) if m < TIE), len(margins))
-        assert a.outputs[0].token_ids[:clear] == b.outputs[0].token_ids[:clear]
-        compared += clear
-    print(f"\nTP=2 vs TP=1: equal on all {compared} tokens before TP=1's first near tie")
-    assert compared >= 32  # a quarter of the 128 generated tokens at least
+    out = compare(two, one)
+    assert out["equal_up_to_tie"] == out["prompts"]
+    assert out["tokens_compared"] >= 32  # a quarter of the 128 generated tokens at least

@@ -32,5 +32,5 @@ def test_kivi_path_matches_standalone_pytorch(kivi, greedy):
 
     llm, kvq = kivi
     ref = KiviStandalone(model_path(), kvq["sink"], kvq["window"], kvq.get("key_pairs", "fp16"))
-    prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
+    prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=2)]
     assert_matches_standalone(llm, prompts, ref, greedy(8, prompt_logprobs=0, logprobs=0), "KIVI")

@@ -1,35 +1,31 @@
-"""The OSCAR backend inside real vLLM (CPU build) on house-qwen3.
-
-Engines are shared per module: two BF16-dtype engines (CPU_ATTN and OSCAR)
-for exactness and capacity, and fp32-dtype OSCAR engines with a small sink and
-window for the INT2 path, chunked prefill and preemption.
-"""
+"""The OSCAR backend inside real vLLM (CPU build) on house-qwen3: exactness
+while sink and window hold every token, the capacity vLLM reports at one
+memory budget, and the INT2 path (the calibrated artifact with a small sink
+and window, fp32): chunked prefill, preemption, and an independent PyTorch
+model of the same math. Configurations that several tests use come from the
+session's engines (conftest ``engines``); the others start and stop in their
+test."""
 
 import math
 
 import pytest
 
+from evalkit.compare import compare
 from tests.conftest import REPO, make_llm, needles, shutdown
 
 pytestmark = pytest.mark.slow
 
 LONG = 32768  # max_model_len of the capacity engines
 BUDGET = 1 << 30  # same KV-cache bytes for BF16 and OSCAR
-INT2 = {"rotation": "hadamard", "sink": 16, "window": 32, "k_clip": 0.96, "v_clip": 0.92}
-
-
-@pytest.fixture(scope="module")
-def bf16_llm():
-    llm = make_llm(max_model_len=LONG, kv_cache_memory_bytes=BUDGET)
-    yield llm
-    shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def oscar_llm():
-    llm = make_llm(oscar={"rotation": "hadamard"}, max_model_len=LONG, kv_cache_memory_bytes=BUDGET)
-    yield llm
-    shutdown(llm)
+ARTIFACT = REPO / "examples" / "artifacts" / "house-qwen3-oscar"  # per KV head, clip 0.96 / 0.92
+# a short sink and window: most of each sequence is read as INT2
+INT2 = {"artifact": str(ARTIFACT), "sink": 16, "window": 32, "override_artifact": True}
+BF16 = dict(max_model_len=LONG, kv_cache_memory_bytes=BUDGET)
+HADAMARD_BF16 = dict(BF16, oscar={"rotation": "hadamard"})
+FP32 = dict(dtype="float32", max_model_len=2048)
+CALIBRATED_FP32 = dict(FP32, oscar={"artifact": str(ARTIFACT)})
+INT2_SMALL_CHUNKS = dict(oscar=INT2, dtype="float32", max_num_batched_tokens=64)
+INT2_BIG_CHUNKS = dict(oscar=INT2, dtype="float32", max_num_batched_tokens=4096)
 
 
 def _short_prompts():
@@ -37,114 +33,92 @@ def _short_prompts():
     return ["\n".join(text[i : i + 12]) + "\n" for i in range(0, 72, 12)]
 
 
-@pytest.fixture(scope="module")
-def fp32_llm():
-    llm = make_llm(dtype="float32", max_model_len=2048)
-    yield llm
-    shutdown(llm)
+def generate(config: dict, prompts, params):
+    """Outputs of an engine started for this call alone."""
+    llm = make_llm(**config)
+    try:
+        return llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        shutdown(llm)
 
 
-@pytest.fixture(scope="module")
-def calibrated_llm():
-    art = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
-    llm = make_llm(oscar={"artifact": str(art)}, dtype="float32", max_model_len=2048)
-    yield llm
-    shutdown(llm)
+def test_exact_in_fp32_when_sink_and_window_cover_the_sequence(greedy):
+    """Prompts + generation < S0 + W: nothing is INT2. The calibrated
+    per-KV-head artifact in fp32 against CPU_ATTN: the only difference left
+    is OSCAR's BF16 storage of the rows, so greedy tokens must be equal."""
+    prompts = _short_prompts()
+    ref = generate(FP32, prompts, greedy(24, logprobs=1))
+    got = generate(CALIBRATED_FP32, prompts, greedy(24, logprobs=1))
+    assert all(len(r.prompt_token_ids) + 24 <= 64 + 256 for r in ref)
+    out = compare(got, ref)
+    assert out["whole_sequences_equal"] == len(prompts)
+    assert out["dlogprob_mean"] < 0.02 and out["dlogprob_max"] < 0.1
 
 
-@pytest.mark.parametrize("reference,engine", [("bf16_llm", "oscar_llm"), ("fp32_llm", "calibrated_llm")])
-def test_exact_when_sink_and_window_cover_the_sequence(reference, engine, greedy, request):
-    """Prompts + generation < S0 + W: nothing is INT2. Against CPU_ATTN: the
-    calibrated per-KV-head artifact in fp32 (the only difference left is
-    OSCAR's BF16 storage of the rows) must give the same greedy tokens. In the
-    model's bf16 (Hadamard per layer) the folded weights round differently and
-    greedy choices sit at bf16 near ties from the first steps on CPUs with bf16
-    units, so there both engines score the reference's own continuation
-    (teacher forcing) and the log-probabilities must agree."""
+def test_exact_in_bf16_when_sink_and_window_cover_the_sequence(engines, greedy):
+    """The same in the model's bf16 (Hadamard per layer), where the folded
+    weights round differently and greedy choices sit at bf16 near ties from
+    the first steps on CPUs with bf16 units: both engines score the
+    reference's own continuation (teacher forcing) and the log-probabilities
+    must agree."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    prompts = _short_prompts()
-    ref_llm, llm = request.getfixturevalue(reference), request.getfixturevalue(engine)
-    ref = ref_llm.generate(prompts, greedy(24, logprobs=1), use_tqdm=False)
+    ref_llm, llm = engines(**BF16), engines(**HADAMARD_BF16)
+    ref = ref_llm.generate(_short_prompts(), greedy(24), use_tqdm=False)
+    full = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids) + list(r.outputs[0].token_ids)) for r in ref]
+    score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    a, b = ref_llm.generate(full, score, use_tqdm=False), llm.generate(full, score, use_tqdm=False)
     diffs = []
-    if reference == "fp32_llm":
-        got = llm.generate(prompts, greedy(24, logprobs=1), use_tqdm=False)
-        for r, g in zip(ref, got):
-            assert len(r.prompt_token_ids) + 24 <= 64 + 256
-            assert g.outputs[0].token_ids == r.outputs[0].token_ids
-            for lr, lg, tok in zip(r.outputs[0].logprobs, g.outputs[0].logprobs, r.outputs[0].token_ids):
-                diffs.append(abs(lr[tok].logprob - lg[tok].logprob))
-    else:
-        full = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids) + list(r.outputs[0].token_ids)) for r in ref]
-        score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-        a, b = ref_llm.generate(full, score, use_tqdm=False), llm.generate(full, score, use_tqdm=False)
-        for r, x, y in zip(ref, a, b):
-            assert len(x.prompt_token_ids) + 1 <= 64 + 256
-            n = len(r.prompt_token_ids)
-            ids = x.prompt_token_ids
-            diffs += [abs(x.prompt_logprobs[i][ids[i]].logprob - y.prompt_logprobs[i][ids[i]].logprob)
-                      for i in range(n, len(ids))]
-    print(f"\nlogprob |diff| mean {sum(diffs)/len(diffs):.4f} max {max(diffs):.4f} over {len(diffs)} tokens")
+    for r, x, y in zip(ref, a, b):
+        assert len(x.prompt_token_ids) + 1 <= 64 + 256
+        ids = x.prompt_token_ids
+        diffs += [abs(x.prompt_logprobs[i][ids[i]].logprob - y.prompt_logprobs[i][ids[i]].logprob)
+                  for i in range(len(r.prompt_token_ids), len(ids))]
     assert sum(diffs) / len(diffs) < 0.02 and max(diffs) < 0.1
 
 
-def _reported(llm) -> int:
-    return llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
+def test_capacity_at_the_same_memory_budget(engines):
+    """vLLM's block count and reported KV capacity (tokens at max_model_len)
+    for BF16 and OSCAR at one budget are the page formats' (OSCAR: each
+    request holds its INT2 data blocks plus the BF16 sink/window blocks)."""
+    from transformers import AutoConfig
 
+    from tests.conftest import model_path
+    from vllm_kvq.backends.resolve import page_format
+    from vllm_kvq.backends.settings import OscarSettings
 
-def test_capacity_at_the_same_memory_budget(bf16_llm, oscar_llm):
-    """vLLM's reported KV capacity (tokens that fit at max_model_len)."""
-    bf16, oscar = _reported(bf16_llm), _reported(oscar_llm)
-    ratio = oscar / bf16
-    print(f"\nKV capacity at {BUDGET >> 20} MiB, max_model_len {LONG}: "
-          f"BF16 {bf16:,} tokens, OSCAR {oscar:,} tokens, ratio {ratio:.2f}x")
-    cfg = oscar_llm.llm_engine.vllm_config.cache_config
-    blocks, kb = cfg.num_gpu_blocks, cfg.block_size
-    # Each request holds ceil(L / KB) INT2 blocks plus 18 BF16 state blocks.
-    assert oscar == int(blocks / (math.ceil(LONG / kb) + 18) * LONG)
-    for length in (4096, 16384, LONG, 131072):
-        per_req = math.ceil(length / kb) + 18
-        print(f"  at {length:>6} tokens/request: {7.111 * math.ceil(length / kb) * kb / (per_req * kb):.2f}x "
-              "(INT2 7.11x, less the per-request sink/window)")
-    assert ratio >= 6.5
-
-
-@pytest.fixture(scope="module")
-def int2_small_chunks():
-    llm = make_llm(oscar=INT2, dtype="float32", max_num_batched_tokens=64)
-    yield llm
-    shutdown(llm)
-
-
-@pytest.fixture(scope="module")
-def int2_big_chunks():
-    llm = make_llm(oscar=INT2, dtype="float32", max_num_batched_tokens=4096)
-    yield llm
-    shutdown(llm)
+    hf = AutoConfig.from_pretrained(model_path())
+    d, heads, layers = hf.head_dim, hf.num_key_value_heads, hf.num_hidden_layers
+    bf16 = engines(**BF16).llm_engine.vllm_config.cache_config
+    oscar = engines(**HADAMARD_BF16).llm_engine.vllm_config.cache_config
+    fmt = page_format(d, oscar.block_size, OscarSettings.from_dict(HADAMARD_BF16["oscar"]))
+    assert (fmt.bytes_per_token, fmt.state_blocks) == (72, 18)
+    assert bf16.num_gpu_blocks == BUDGET // (layers * heads * bf16.block_size * 2 * d * 2)
+    assert oscar.num_gpu_blocks == BUDGET // (layers * heads * fmt.block_bytes)
+    assert bf16.kv_cache_size_tokens == bf16.num_gpu_blocks * bf16.block_size
+    per_request = math.ceil(LONG / oscar.block_size) + fmt.state_blocks
+    assert oscar.kv_cache_size_tokens == int(oscar.num_gpu_blocks / per_request * LONG)
+    assert oscar.kv_cache_size_tokens / bf16.kv_cache_size_tokens >= 6.5
 
 
 def _needle_prompts(n=6):
     return [r["prompt"] for r in needles(max_tokens=1200, limit=n)]
 
 
-def test_chunked_prefill_gives_the_same_tokens(int2_small_chunks, int2_big_chunks, greedy):
+def test_chunked_prefill_gives_the_same_tokens(engines, greedy):
     prompts = _needle_prompts()
-    small = int2_small_chunks.generate(prompts, greedy(24), use_tqdm=False)
-    big = int2_big_chunks.generate(prompts, greedy(24), use_tqdm=False)
+    small = engines(**INT2_SMALL_CHUNKS).generate(prompts, greedy(24), use_tqdm=False)
+    big = engines(**INT2_BIG_CHUNKS).generate(prompts, greedy(24), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in big]
 
 
-def test_int2_path_is_really_quantizing(int2_big_chunks, greedy):
+def test_int2_path_is_really_quantizing(engines, greedy):
     """Same prompts with everything in BF16 must score differently."""
     prompts = _needle_prompts(3)
     params = greedy(1, prompt_logprobs=0)
-    int2 = int2_big_chunks.generate(prompts, params, use_tqdm=False)
-    exact = make_llm(oscar={**INT2, "window": 4096}, dtype="float32", max_num_batched_tokens=4096)
-    try:
-        full = exact.generate(prompts, params, use_tqdm=False)
-    finally:
-        shutdown(exact)
+    int2 = engines(**INT2_BIG_CHUNKS).generate(prompts, params, use_tqdm=False)
+    full = generate(dict(INT2_BIG_CHUNKS, oscar={**INT2, "window": 4096}), prompts, params)
     diffs = []
     for a, b in zip(int2, full):
         for pa, pb in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
@@ -153,37 +127,30 @@ def test_int2_path_is_really_quantizing(int2_big_chunks, greedy):
     assert sum(diffs) / len(diffs) > 1e-3
 
 
-def test_preemption_gives_the_same_tokens(int2_big_chunks, greedy):
-    prompts = _needle_prompts(8)
-    ref = int2_big_chunks.generate(prompts, greedy(160), use_tqdm=False)
-    # A ~1K-token request holds ~9 INT2 blocks of 128 tokens plus 3 state
-    # blocks and grows by 2 blocks while it generates: 30 blocks admit two or
-    # three requests, whose growth then forces preemptions.
-    tight = make_llm(oscar=INT2, dtype="float32", max_num_batched_tokens=4096,
-                     num_gpu_blocks_override=30, max_model_len=2048,
-                     disable_log_stats=False)
+def test_preemption_gives_the_same_tokens(engines, greedy):
+    prompts = _needle_prompts(4)
+    ref = engines(**INT2_BIG_CHUNKS).generate(prompts, greedy(64), use_tqdm=False)
+    # Requests of 994, 515, 972 and 485 tokens hold 8, 5, 8 and 4 INT2 blocks
+    # of 128 tokens plus 3 state blocks each: 30 blocks admit the first three
+    # and leave none free, so the first to reach a new block (the 994-token
+    # one, 31 tokens in) preempts another, which later resumes.
+    tight = make_llm(**INT2_BIG_CHUNKS, num_gpu_blocks_override=30, max_model_len=2048, disable_log_stats=False)
     try:
-        got = tight.generate(prompts, greedy(160), use_tqdm=False)
-        metrics = tight.get_metrics()
-        preempted = sum(m.value for m in metrics if m.name == "vllm:num_preemptions")
-        print("\npreemptions:", preempted, sorted({m.name for m in metrics if "preempt" in m.name}))
+        got = tight.generate(prompts, greedy(64), use_tqdm=False)
+        preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
     finally:
         shutdown(tight)
     assert preempted > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_int2_path_matches_standalone_pytorch(int2_small_chunks, greedy):
+def test_int2_path_matches_standalone_pytorch(engines, greedy):
     """vLLM (paged INT2 + BF16 sink/window, 64-token chunks) against an
     independent PyTorch model of the same math, on dev needle prompts."""
-    from vllm_kvq.artifacts import builtin_artifact, model_fingerprint
-    from transformers import AutoConfig
-
     from tests.backends.oscar_standalone import OscarStandalone, assert_matches_standalone
     from tests.conftest import model_path
+    from vllm_kvq.artifacts import OscarArtifact
 
-    cfg = AutoConfig.from_pretrained(model_path())
-    art = builtin_artifact(model_fingerprint(cfg), "hadamard", k_clip=INT2["k_clip"], v_clip=INT2["v_clip"])
-    ref = OscarStandalone(model_path(), art, INT2["sink"], INT2["window"])
-    prompts = _needle_prompts(4)
-    assert_matches_standalone(int2_small_chunks, prompts, ref, greedy(8, prompt_logprobs=0, logprobs=0), "OSCAR")
+    ref = OscarStandalone(model_path(), OscarArtifact.load(ARTIFACT), INT2["sink"], INT2["window"])
+    assert_matches_standalone(engines(**INT2_SMALL_CHUNKS), _needle_prompts(2), ref,
+                              greedy(8, prompt_logprobs=0, logprobs=0), "OSCAR")

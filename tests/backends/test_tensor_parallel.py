@@ -1,25 +1,134 @@
-"""TP=2 (multiprocessing executor on CPU) gives TP=1's tokens."""
+"""TP=2 under vLLM's two executors on CPU: the multiprocessing executor, and
+the Ray executor on a local Ray cluster (``distributed_executor_backend="ray"``).
+
+* OSCAR on house-qwen3 (fp32, the per-KV-head artifact, most of each
+  sequence read as INT2): the mp executor gives TP=1's greedy tokens, the Ray
+  executor the mp executor's, and every rank holds its own KV head's
+  rotations with R_V folded.
+* The STEPQuant state pool with OSCAR on house-qwen3next (bf16, the GDN CPU
+  kernel's dtype, where TP's all-reduce rounds differently): the mp
+  executor's tokens equal TP=1's up to TP=1's first near tie, the Ray
+  executor's equal the mp executor's, and every rank packs its own two value
+  heads at the plan's widths (records padded to the larger rank).
+
+vLLM 0.32's CPU platform names no Ray device key, which is all that stops its
+Ray executor; ``tests/ray_cpu/sitecustomize.py`` names one in the engine core
+and the Ray workers (see there). Everything else is vLLM's own: the default
+Ray executor (``RayExecutorV2``) places one ``RayWorkerProc`` actor per rank
+in a placement group, ships the pickled config to them, and drives the engine
+loop through its message queues; the ranks talk over gloo.
+"""
+
+import os
 
 import pytest
 
-from tests.conftest import make_llm, needles, shutdown
+from evalkit.compare import compare
+from evalkit.probe import allocated_state_bytes
+from tests.backends.test_oscar_engine import INT2_BIG_CHUNKS
+from tests.backends.test_state_pool import STEPQUANT_WITH_OSCAR
+from tests.conftest import REPO, make_llm, needles, shutdown
+from vllm_kvq.artifacts import OscarArtifact
+from vllm_kvq.artifacts.stepquant import StepQuantPlan
 
 pytestmark = pytest.mark.slow
-KVQ = {"rotation": "hadamard", "sink": 16, "window": 32, "k_clip": 0.96, "v_clip": 0.92}
+SHIM = REPO / "tests" / "ray_cpu"
 
 
-def test_tp2_equals_tp1(greedy, monkeypatch):
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A local Ray cluster with one logical GPU slot per rank (the Ray resource
+    the shim makes the CPU platform claim), reachable from the engine core
+    through RAY_ADDRESS. Engine cores are spawned, not forked: a fork would
+    inherit this process's Ray connection."""
+    ray = pytest.importorskip("ray")
+    env = pytest.MonkeyPatch()
+    paths = [str(SHIM), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env.setenv("PYTHONPATH", os.pathsep.join(paths))  # before ray.init: Ray's workers inherit it
+    env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.setenv("OMP_NUM_THREADS", "1")  # Ray's default for its actors; the mp workers take the same
+    context = ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False,
+                       object_store_memory=100 << 20)
+    env.setenv("RAY_ADDRESS", context.address_info["gcs_address"])
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        env.undo()
+
+
+def run_tp2(config: dict, executor: str, prompts, params, inspect):
+    """(per-rank ``inspect`` results, outputs) of one TP=2 engine."""
+    llm = make_llm(**config, tensor_parallel_size=2, distributed_executor_backend=executor)
+    try:
+        return llm.apply_model(inspect), llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        shutdown(llm)
+
+
+def tokens(outputs) -> list:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def in_ray_actor() -> bool:
+    import ray
+
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
+
+
+def oscar_layers(model) -> dict:
+    """Runs in each worker: whether it is a Ray actor, and what each OSCAR layer of its rank holds."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    from vllm_kvq.backends.oscar import OscarImpl
+
+    rows = [{"layer": int(name.split("layers.")[1].split(".")[0]), "k_rotation": m.impl.k_rotation.clone(),
+             "v_absorbed": m.impl.v_absorbed, "num_kv_heads": m.impl.num_kv_heads}
+            for name, m in model.named_modules() if isinstance(getattr(m, "impl", None), OscarImpl)]
+    return {"ray_actor": in_ray_actor(), "rank": get_tensor_model_parallel_rank(), "layers": rows}
+
+
+def state_layers(model) -> dict:
+    """Runs in each worker: whether it is a Ray actor, and its GDN layers' packed states."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return {"ray_actor": in_ray_actor(), "rank": get_tensor_model_parallel_rank(),
+            "layers": allocated_state_bytes(model)}
+
+
+def test_oscar_under_both_executors(ray_cluster, engines, greedy):
     prompts = [r["prompt"] for r in needles(max_tokens=900, limit=4)]
-    one = make_llm(oscar=KVQ, dtype="float32", max_model_len=2048)
-    try:
-        ref = one.generate(prompts, greedy(24), use_tqdm=False)
-    finally:
-        shutdown(one)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    two = make_llm(oscar=KVQ, dtype="float32", max_model_len=2048, tensor_parallel_size=2,
-                   distributed_executor_backend="mp")
-    try:
-        got = two.generate(prompts, greedy(24), use_tqdm=False)
-    finally:
-        shutdown(two)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+    one = engines(**INT2_BIG_CHUNKS).generate(prompts, greedy(24), use_tqdm=False)
+    mp_ranks, mp = run_tp2(INT2_BIG_CHUNKS, "mp", prompts, greedy(24), oscar_layers)
+    ray_ranks, ray = run_tp2(INT2_BIG_CHUNKS, "ray", prompts, greedy(24), oscar_layers)
+    assert tokens(mp) == tokens(one)
+    assert tokens(ray) == tokens(mp)
+    assert [(r["ray_actor"], r["rank"]) for r in mp_ranks] == [(False, 0), (False, 1)]
+    assert [(r["ray_actor"], r["rank"]) for r in ray_ranks] == [(True, 0), (True, 1)]
+    art = OscarArtifact.load(INT2_BIG_CHUNKS["oscar"]["artifact"])
+    for rank, info in enumerate(ray_ranks):
+        assert len(info["layers"]) == len(art.layers)
+        for row in info["layers"]:
+            assert row["num_kv_heads"] == 1 and row["v_absorbed"]
+            assert row["k_rotation"].equal(art.rotation_for("k", row["layer"], [rank]))
+    assert not ray_ranks[0]["layers"][0]["k_rotation"].equal(ray_ranks[1]["layers"][0]["k_rotation"])
+
+
+def test_state_pool_under_both_executors(ray_cluster, engines, greedy):
+    kvq = STEPQUANT_WITH_OSCAR["oscar"]
+    prompts = [r["prompt"] for r in needles(max_tokens=1500, limit=6)]
+    one = engines(**STEPQUANT_WITH_OSCAR).generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
+    mp_ranks, mp = run_tp2(STEPQUANT_WITH_OSCAR, "mp", prompts, greedy(24, logprobs=2), state_layers)
+    ray_ranks, ray = run_tp2(STEPQUANT_WITH_OSCAR, "ray", prompts, greedy(24, logprobs=2), state_layers)
+    out = compare(mp, one)
+    assert out["equal_up_to_tie"] == out["prompts"] and out["tokens_compared"] >= 24
+    assert tokens(ray) == tokens(mp)
+    plan = StepQuantPlan.load(kvq["state_artifact"])
+    for ranks, in_ray in ((mp_ranks, False), (ray_ranks, True)):
+        assert [(r["ray_actor"], r["rank"]) for r in ranks] == [(in_ray, 0), (in_ray, 1)]
+        for rank, info in enumerate(ranks):
+            assert [layer["layer"] for layer in info["layers"]] == list(plan.layers)
+            for layer in info["layers"]:
+                assert layer["dtype"] == "torch.uint8"
+                assert tuple(layer["bits"]) == plan.head_bits(6, layer["layer"])[2 * rank: 2 * rank + 2]
+        assert len({layer["shape"][0] for info in ranks for layer in info["layers"]}) == 1  # one record size
