@@ -1,13 +1,11 @@
 """Calibration: rotations, streamed statistics, artifacts, RotationZoo, inspect."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from evalkit.data import CODE
 from tests.conftest import MODELS, REPO
-from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
+from vllm_kvq.artifacts import OscarArtifact, model_fingerprint
 from vllm_kvq.calib.rotation import bit_reversal_permutation, oscar_rotation
 
 
@@ -73,7 +71,7 @@ def test_calibrate_writes_a_valid_int2_artifact(tiny_model, tmp_path, granularit
 
     from vllm_kvq.calib.calibrate import INT2, calibrate
 
-    out = calibrate(str(tiny_model), str(REPO.parent / "shared" / "eval" / "code-dev.txt.gz"), str(tmp_path / "a"),
+    out = calibrate(str(tiny_model), str(CODE), str(tmp_path / "a"),
                     tokens=512, seq_len=256, granularity=granularity, value_target=target, clip=clip,
                     sink=16, window=32, tokenizer=str(MODELS / "house-qwen3"), tiers=INT2)
     art = OscarArtifact.load(out, model_fingerprint(AutoConfig.from_pretrained(tiny_model)))
@@ -120,15 +118,16 @@ def test_rotation_zoo_refuses_pickled_code(tmp_path):
         read_zoo(str(tmp_path / "evil.pt"))
 
 
-def test_inspect_cli():
+def test_inspect_cli(capsys):
+    from vllm_kvq.cli import main
+
     art = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
-    ok = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(art), "--model",
-                         str(MODELS / "house-qwen3")], capture_output=True, text=True)
-    assert ok.returncode == 0, ok.stderr
-    assert ": valid" in ok.stdout and "kv_head granularity over 6 attention layers" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(art), "--model",
-                          str(MODELS / "house-qwen2")], capture_output=True, text=True)
-    assert bad.returncode == 1 and "different model" in bad.stderr
+    main(["inspect", str(art), "--model", str(MODELS / "house-qwen3")])
+    shown = capsys.readouterr().out
+    assert ": valid" in shown and "kv_head granularity over 6 attention layers" in shown
+    with pytest.raises(SystemExit) as stop:
+        main(["inspect", str(art), "--model", str(MODELS / "house-qwen2")])
+    assert stop.value.code == 1 and "different model" in capsys.readouterr().err
 
 
 def test_fitted_clip_errors_are_attention_output_errors():

@@ -2,20 +2,17 @@
 
 import itertools
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.conftest import EVAL, MODELS
+from evalkit.data import CODE as DATA
+from tests.conftest import MODELS
 from vllm_kvq.calib.stepquant.allocate import (allocate_layer, impact_factors, knapsack, lifetime_weight,
                                                pivot_count)
 from vllm_kvq.calib.stepquant.recurrence import gated_delta_rule
-
-DATA = EVAL / "code-dev.txt.gz"
 
 
 # --------------------------------------------------------------------------- recurrence
@@ -322,20 +319,19 @@ def test_plan_from_synthetic_statistics_with_pivots(tmp_path):
 # --------------------------------------------------------------------------- CLI
 
 
-def test_cli_calibrates_and_inspects_the_house_model(tmp_path):
+def test_cli_calibrates_and_inspects_the_house_model(tmp_path, capfd):
     from transformers import AutoConfig
 
     from vllm_kvq.artifacts import model_fingerprint
     from vllm_kvq.artifacts.stepquant import StepQuantPlan
+    from vllm_kvq.cli import main
 
     model = MODELS / "house-qwen3next"
     out = tmp_path / "plan"
-    done = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "calibrate", str(model), "--data", str(DATA),
-                           "--out", str(out), "--stepquant", "--tokens", "512", "--seq-len", "256",
-                           "--pivot-fraction", "0.25", "--snapshots", "16"],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "STEPQuant state plan" in done.stdout and "GDN state statistics" in done.stderr
+    main(["calibrate", str(model), "--data", str(DATA), "--out", str(out), "--stepquant", "--tokens", "512",
+          "--seq-len", "256", "--pivot-fraction", "0.25", "--snapshots", "16"])
+    done = capfd.readouterr()
+    assert "STEPQuant state plan" in done.out and "GDN state statistics" in done.err
     plan = StepQuantPlan.load(out, model_fingerprint(AutoConfig.from_pretrained(model)))
     assert plan.layers == [0, 1, 2, 4, 5, 6] and plan.budgets == [6, 4]
     assert (plan.num_v_heads, plan.k_dim, plan.v_dim) == (4, 128, 128)
@@ -347,8 +343,7 @@ def test_cli_calibrates_and_inspects_the_house_model(tmp_path):
             assert bits.count(16) == 1 and sum(8 if x == 16 else x for x in bits) <= 4 * b
         assert plan.impact(layer).shape == (4, 128)
         assert torch.isfinite(plan.log_decay[layer]).all() and (plan.log_decay[layer] < 0).all()
-    shown = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(out), "--model", str(model)],
-                           capture_output=True, text=True)
-    assert shown.returncode == 0, shown.stderr
-    assert "layer 6:" in shown.stdout and "bits/value" in shown.stdout and "half-life" in shown.stdout
-    assert "pivots [" in shown.stdout
+    main(["inspect", str(out), "--model", str(model)])
+    shown = capfd.readouterr().out
+    assert "layer 6:" in shown and "bits/value" in shown and "half-life" in shown
+    assert "pivots [" in shown
