@@ -20,7 +20,8 @@ import json
 import time
 from pathlib import Path
 
-from evalkit.data import REPO, needle_scores, needle_set, perplexity, ppl_windows, tokenizer, tokenizer_path
+from evalkit.data import (BUCKETS, REPO, needle_scores, needle_set, perplexity, ppl_windows, tokenizer,
+                          tokenizer_path)
 from evalkit.markdown import table
 
 def variants(model: str) -> dict[str, dict | None]:
@@ -80,9 +81,28 @@ def generate_guarded(llm, prompts: list, params, wave_size: int = 16, guard_toke
     return results
 
 
-def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[list[int]], args) -> dict:
-    from vllm import LLM, SamplingParams
+def score(llm, needles: list[dict], windows: list[list[int]], buckets: list = BUCKETS, wave_size: int = 16,
+          guard_tokens: int = GUARD_TOKENS) -> dict:
+    """Needle hits (overall and per length bucket) and perplexity of one engine."""
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+
+    result = {}
+    if needles:
+        outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0),
+                                wave_size, guard_tokens)
+        scores = needle_scores([o.outputs[0].text for o in outs], needles, buckets)
+        result.update(needle_acc=scores["needle_acc"], needle_by_bucket=scores["needle_by_bucket"],
+                      needle_hits=scores["hits"], needles=len(needles))
+    if windows:
+        outs = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
+                                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), wave_size, guard_tokens)
+        result["ppl"], result["ppl_tokens"] = perplexity(outs, windows)
+    return result
+
+
+def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[list[int]], args) -> dict:
+    from vllm import LLM
 
     kw = dict(attention_backend="OSCAR", additional_config={"kvq": kvq}) if kvq is not None else {}
     if args.tokenizer:
@@ -96,13 +116,7 @@ def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[li
               long_prefill_token_threshold=args.chunk,
               enable_prefix_caching=False, kv_cache_memory_bytes=2 << 30, seed=0, **kw)
     t0 = time.time()
-    outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0))
-    scores = needle_scores([o.outputs[0].text for o in outs], needles)
-    ppl_out = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
-                               SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    ppl, n = perplexity(ppl_out, windows)
-    result = {"needle_acc": scores["needle_acc"], "needle_by_bucket": scores["needle_by_bucket"],
-              "ppl": ppl, "ppl_tokens": n, "needles": len(needles), "seconds": time.time() - t0}
+    result = {**score(llm, needles, windows), "seconds": time.time() - t0}
     llm.llm_engine.engine_core.shutdown()
     del llm
     return result

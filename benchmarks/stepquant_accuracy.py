@@ -21,8 +21,8 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.accuracy import generate_guarded
-from evalkit.data import BUCKETS, MODELS, REPO, needle_scores, needle_set, perplexity, ppl_windows, tokenizer
+from benchmarks.accuracy import score
+from evalkit.data import BUCKETS, MODELS, REPO, needle_set, ppl_windows, tokenizer
 from evalkit.markdown import splice, table
 
 MODEL = MODELS / "house-qwen3next"
@@ -51,10 +51,11 @@ def variants() -> dict[str, tuple[dict | None, bool]]:
 def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[list[int]], args) -> dict:
     import os
 
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
+    from vllm import LLM
 
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
+    from evalkit.probe import allocated_state_bytes
+
+    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # apply_model ships a function
     kw = {"additional_config": {"kvq": kvq}} if kvq else {}
     if oscar:
         kw["attention_backend"] = "OSCAR"
@@ -64,20 +65,8 @@ def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[l
               max_num_batched_tokens=max(args.chunk * (wave + 1), 64), long_prefill_token_threshold=args.chunk,
               enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30, seed=0, **kw)
     t0 = time.time()
-    from evalkit.probe import allocated_state_bytes
-
     pool = sum(layer["page_bytes"] for layer in llm.apply_model(allocated_state_bytes)[0])
-    result = {"state_bytes_per_request": pool}
-    if needles:
-        outs = generate_guarded(llm, [r["prompt"] for r in needles], SamplingParams(max_tokens=8, temperature=0),
-                                wave, GUARD)
-        scores = needle_scores([o.outputs[0].text for o in outs], needles, SHORT)
-        result.update(needle_acc=scores["needle_acc"], needles=len(needles), needle_hits=scores["hits"],
-                      needle_by_bucket=scores["needle_by_bucket"])
-    if windows:
-        outs = generate_guarded(llm, [TokensPrompt(prompt_token_ids=w) for w in windows],
-                                SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), wave, GUARD)
-        result["ppl"], result["ppl_tokens"] = perplexity(outs, windows)
+    result = {"state_bytes_per_request": pool, **score(llm, needles, windows, SHORT, wave, GUARD)}
     result["seconds"] = time.time() - t0
     llm.llm_engine.engine_core.shutdown()
     del llm
