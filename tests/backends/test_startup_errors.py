@@ -185,3 +185,17 @@ def test_mla_model_is_refused(tmp_path):
     shutil.copy(REPO / "examples" / "models" / "house-qwen3" / "tokenizer.json", tmp_path)
     with pytest.raises(Exception, match="OSCAR does not support MLA models; drop --attention-backend OSCAR"):
         engine_config(model=str(tmp_path), oscar={}, skip_tokenizer_init=True)
+
+
+def test_bad_input_table_names_real_tests():
+    """docs/configuration.md's table of bad inputs points at tests that exist
+    (function, and the parametrized case where it names one)."""
+    import re
+
+    section = (REPO / "docs" / "configuration.md").read_text().split("## Bad input")[1].split("\n## ")[0]
+    refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[([^\]]+)\])?`", section)
+    assert len(refs) >= 25
+    for path, name, case in refs:
+        source = (REPO / path).read_text()
+        assert f"def {name}(" in source, f"{path}::{name}"
+        assert not case or f'"{case}"' in source, f"{path}::{name}[{case}]"

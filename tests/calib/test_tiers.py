@@ -123,8 +123,8 @@ def test_manifest_and_inspect_show_tiers(tiered):
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--tiers", "k=48x4,72x2;v=16x4,48x2,64x0"], "k tier widths sum to 120, not the head size 128; make them add up"),
-    (["--tiers", "k=48x3,80x2;v=16x4,48x2,64x0"], "k tier 48x3 has 3 bits; bits must be 4, 2 or 0"),
+    (["--tiers", "k=48x4,64x2;v=16x4,48x2,64x0"], "k: tier widths sum to 112, not the head size 128; make them add up"),
+    (["--tiers", "k=48x3,80x2;v=16x4,48x2,64x0"], "k: tier 48x3 has 3 bits; bits must be 4, 2 or 0"),
     (["--tiers", "k=24x4,104x2;v=16x4,48x2,64x0"], "width 24; widths must be positive multiples of 16"),
     (["--tiers", TIERS, "--granularity", "layer"], "need --granularity kv_head; drop --granularity layer"),
     (["--clip", "fitted"], "drop --clip fitted \\(or pass --tiers int2\\)"),
@@ -170,23 +170,28 @@ def test_search_gives_the_keys_that_hurt_more_int4():
     layers = {0: _synthetic_layer(gen, sharpness=0.05)}
     torch.manual_seed(0)
     layers[1] = _synthetic_layer(torch.Generator().manual_seed(0), sharpness=2.0)
-    chosen, report = search(layers, 64, 44, "exact", 1.0, 1.0, sink=4, window=16)
-    print({i: str(t) for i, t in chosen.items()}, report)
+    probes = {i: LayerProbe(st, i, "exact", 4, 16) for i, st in layers.items()}
+    chosen, report = search(probes, 64, 44, 1.0, 1.0)
     assert all(t.bytes_per_token == 44 for t in chosen.values())
     assert chosen[1].k.int4 > chosen[0].k.int4 and chosen[1].k.row_bytes > chosen[0].k.row_bytes
     for idx, t in chosen.items():
-        probe = LayerProbe(layers[idx], idx, "exact", 4, 16)
-        ek, ev = probe.error("k", t.k, 1.0), probe.error("v", t.v, 1.0)
-        assert report[str(idx)]["predicted_error"] == pytest.approx((ek * ek + ev * ev) ** 0.5, abs=1e-6)
+        ek, ev = probes[idx].error("k", t.k, 1.0), probes[idx].error("v", t.v, 1.0)
+        assert report[str(idx)]["predicted_kl"] == pytest.approx(ek * ek + ev * ev, rel=1e-4)
+    # a sensitivity weighs one kind's error: values that cost 1000x more take the bytes from the keys
+    weighted, _ = search(probes, 64, 44, 1.0, 1.0, {1: {"k": 1.0, "v": 1000.0}})
+    assert weighted[1].v.row_bytes > chosen[1].v.row_bytes and weighted[1].bytes_per_token == 44
+    assert weighted[0] == chosen[0]
 
 
 def test_calibrate_searches_the_tiers_by_default(tmp_path):
     """`vllm-kvq calibrate` without --tiers: each layer's tiers at 80 B per
     token (the default), a valid artifact, and inspect shows them with their
-    predicted errors."""
+    errors and sensitivities (the held-out window must reach past sink +
+    window, hence the short window here)."""
     done = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "calibrate", str(MODELS / "house-qwen3"),
                            "--data", str(DATA), "--out", str(tmp_path / "a"), "--tokens", str(TOKENS),
-                           "--seq-len", str(SEQ)], capture_output=True, text=True, timeout=600)
+                           "--seq-len", str(SEQ), "--sink", "16", "--window", "64"],
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     art = OscarArtifact.load(tmp_path / "a")
     assert art.bytes_per_token == 80 and sorted(art.tiers) == art.layers
@@ -194,5 +199,6 @@ def test_calibrate_searches_the_tiers_by_default(tmp_path):
     assert report["bytes_per_token"] == 80
     for layer in art.layers:
         row = report["layers"][str(layer)]
-        assert row["tiers"] == str(art.tiers[layer]) and row["predicted_error"] > 0
-        assert f"{row['predicted_error']:.4f}" in done.stdout
+        assert row["tiers"] == str(art.tiers[layer]) and row["predicted_kl"] > 0
+        assert row["k_sensitivity"] > 0 and row["v_sensitivity"] > 0
+        assert f"KL {row['predicted_kl']:.1e}" in done.stdout

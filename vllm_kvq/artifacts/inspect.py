@@ -32,21 +32,22 @@ def summary(art: OscarArtifact) -> str:
     ]
     if "tier_search" in art.provenance:
         lines.append(f"tiers chosen per layer at {art.provenance['tier_search']['bytes_per_token']} B per token by "
-                     "their error on the held-out window (relative attention-output error, predicted)")
+                     "the held-out window: relative attention-output errors of K and V, and the predicted KL of "
+                     "the model's next-token distribution from them")
     prov = {k: v for k, v in art.provenance.items() if k not in ("clip_fit", "tier_search")}
     if prov:
         lines.append(f"provenance: {prov}")
-    lines.append("layer  k_clip  v_clip  tiers                              predicted error  K spectrum"
-                 "                          V spectrum")
+    lines.append("layer  k_clip  v_clip  tiers                              held-out error                  "
+                 "K spectrum                          V spectrum")
     for layer in art.layers:
         ks = _spectrum(art.eigenvalues["k"][layer]) if layer in art.eigenvalues.get("k", {}) else "-"
         vs = _spectrum(art.eigenvalues["v"][layer]) if layer in art.eigenvalues.get("v", {}) else "-"
         tiers = "INT2" if art.tiers is None else str(art.tiers[layer])
         err = search.get(str(layer), {})
-        predicted = (f"{err['predicted_error']:.4f} (K {err['k_error']:.4f}, V {err['v_error']:.4f})"
+        predicted = (f"K {err['k_error']:.4f} V {err['v_error']:.4f} KL {err['predicted_kl']:.1e}"
                      if err else "-")
         lines.append(f"{layer:>5}  {art.k_clip[layer]:.3f}   {art.v_clip[layer]:.3f}   {tiers:<33}  "
-                     f"{predicted:<15}  {ks:<34}  {vs}")
+                     f"{predicted:<30}  {ks:<34}  {vs}")
     return "\n".join(lines)
 
 

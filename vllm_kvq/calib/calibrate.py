@@ -47,7 +47,14 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
     from transformers import AutoConfig, AutoTokenizer
 
     t0 = time.time()
-    config = AutoConfig.from_pretrained(model)
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"cannot read a model config from {model!r} ({type(e).__name__}); pass a checkpoint "
+                            "directory with a config.json (or a Hugging Face model id)") from e
+    if not Path(data).is_file():
+        raise ArtifactError(f"--data {data}: no such file; pass a text file (or .gz) of the kind of text the model "
+                            "will serve")
     fp = model_fingerprint(config)
     if tiers != INT2:
         if granularity != "kv_head":
@@ -64,12 +71,19 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
     if tiers is None:
         from vllm_kvq.calib.tier_search import sizes
 
+        if seq_len <= sink + window:
+            raise ArtifactError(f"the tier search scores plans on held-out queries that read quantized rows: "
+                                f"--seq-len {seq_len} must exceed --sink + --window ({sink + window})")
         if bytes_per_token not in sizes(fp["head_dim"]):
             raise ArtifactError(f"--bytes-per-token {bytes_per_token}: no tier plan takes exactly that many bytes "
                                 f"per token and KV head at head size {fp['head_dim']}; possible sizes are "
                                 f"{sizes(fp['head_dim'])}")
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
-    windows = token_windows(tok, read_text(data), tokens + seq_len, seq_len)
+    text = read_text(data)
+    if not text.strip():
+        raise ArtifactError(f"--data {data} is empty; pass a text file (or .gz) of the kind of text the model will "
+                            "serve, a few tens of thousands of tokens")
+    windows = token_windows(tok, text, tokens + seq_len, seq_len)
     if len(windows) < 2:
         raise ArtifactError(f"{data} gives only {len(windows)} window(s) of {seq_len} tokens; calibration needs 2 "
                             "or more: give more text, or a smaller --seq-len")
@@ -88,10 +102,11 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         "windows": len(fit_windows), "device": device, "dtype": dtype,
     }
     if tiers is None:
-        from vllm_kvq.calib.tier_search import search
+        from vllm_kvq.calib.tier_search import LayerProbe, search, sensitivities
 
-        per_layer, report = search(collector.layers, fp["head_dim"], bytes_per_token, value_target, k_clip,
-                                   v_clip, sink, window)
+        probes = {i: LayerProbe(st, i, value_target, sink, window) for i, st in sorted(collector.layers.items())}
+        weight = sensitivities(net, collector, held_out[0], probes, fp["head_dim"], k_clip, v_clip, device)
+        per_layer, report = search(probes, fp["head_dim"], bytes_per_token, k_clip, v_clip, weight)
         provenance["tier_search"] = {"bytes_per_token": bytes_per_token, "layers": report}
     else:
         per_layer = None if tiers == INT2 else {layer: tiers for layer in collector.layers}
