@@ -218,7 +218,7 @@ def test_decode_matches_reference(shape, splits, launch):
     h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
     s0w = fmt.sink + fmt.window
     lengths = [1, s0w - 1, s0w, s0w + 1, 6 * fmt.block_size + 7, fmt.window + 4 * fmt.block_size]
-    if shape["d"] == 128:
+    if shape["d"] == 128 and DEV == "cuda":  # a long context (minutes in the interpreter)
         lengths.append(20_000)
     table, nblocks = _block_table(fmt, lengths, gen)
     cache = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
