@@ -127,6 +127,20 @@ def test_accuracy_rows_are_the_artifacts_rows():
                                           "STEPQuant @6 + OSCAR INT2 attention"]
 
 
+@pytest.mark.parametrize("model, artifact, row", [
+    ("house-qwen3", "house-qwen3-oscar", "OSCAR, per-KV-head rotation"),
+    ("house-qwen3", "house-qwen3-oscar-layer", "OSCAR, shared per-layer rotation"),
+    ("house-qwen3", "house-qwen3-oscar-fitted", "OSCAR, per-KV-head rotation, fitted clip"),
+    ("house-qwen2", "house-qwen2-oscar-exact", "OSCAR, per-KV-head rotation, exact value target"),
+    ("house-qwen3", "house-qwen3-tiered-2.25bit", "OSCAR tiers: K 32x4 + 96x2, V 16x4 + 32x2 + 80 not stored"),
+])
+def test_each_artifact_takes_the_row_measured_with_it(model, artifact, row):
+    """benchmarks/accuracy.py names each row after how its artifact was made."""
+    inputs = report.load_inputs(model_path(model), [str(ARTIFACTS / artifact)])
+    rows = report.accuracy_rows(inputs, KV_RESULTS.with_name(f"accuracy-{model}.json"))
+    assert [name for name, _ in rows] == ["bf16", row]
+
+
 def test_cli_writes_the_page_and_plots(tmp_path, qwen3next):
     from vllm_kvq.cli import main
 
