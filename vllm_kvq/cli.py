@@ -9,7 +9,7 @@
 * ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
 * ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
   the OSCAR authors' RotationZoo files.
-* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...]``
+* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...] [--accuracy JSON ...]``
   writes a markdown page and PNG plots of what the cache formats hold on MODEL.
 """
 
@@ -176,6 +176,9 @@ def report(argv: list[str]) -> None:
     ap.add_argument("--out", default="report", help="directory for MODEL.md and its plots (default: report)")
     ap.add_argument("--kv-budget", nargs="+", default=["1GiB"], metavar="BYTES",
                     help="KV-cache memory budgets: bytes, or with KiB/MiB/GiB (default 1GiB)")
+    ap.add_argument("--accuracy", action="append", metavar="JSON",
+                    help="accuracy results to take the rows measured with these artifacts from (repeat for several; "
+                         "default: this checkout's benchmarks/results/accuracy-MODEL.json, if there is one)")
     a = ap.parse_args(argv)
     import shlex
 
@@ -183,7 +186,7 @@ def report(argv: list[str]) -> None:
 
     try:  # ArtifactError is a ValueError
         budgets = [parse_bytes(b) for b in a.kv_budget]
-        print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv])))
+        print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv]), a.accuracy))
     except ValueError as e:
         ap.error(str(e))
 
