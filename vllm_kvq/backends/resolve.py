@@ -150,7 +150,8 @@ def _plan(settings, fingerprint_json: str, layers: tuple, shape: tuple, tp_size:
         where = f"STEPQuant plan {settings.state_artifact}"
         if (plan.num_v_heads, plan.k_dim, plan.v_dim) != (hv, k, v):
             raise ArtifactError(f"{where} is for {plan.num_v_heads} value heads of {plan.k_dim}x{plan.v_dim}, the "
-                                f"model has {hv} of {k}x{v}; calibrate this model with `vllm-kvq calibrate --stepquant`")
+                                f"model has {hv} of {k}x{v}; calibrate this model with "
+                                "`vllm-kvq calibrate --stepquant`")
         if sorted(plan.layers) != sorted(layers):
             raise ArtifactError(f"{where} covers layers {plan.layers}, the model's GDN layers are {list(layers)}")
         if settings.state_bits not in plan.budgets:

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from vllm_kvq.artifacts import ArtifactError, model_fingerprint
-from vllm_kvq.artifacts.fingerprint import head_dim, text_config
 from vllm_kvq.calib.capture import StatsCollector, load_model, run_windows
 from vllm_kvq.calib.fit import build_artifact
+from vllm_kvq.calib.tier_search import LayerProbe, search, sensitivities, sizes
 from vllm_kvq.kernels.oscar.format import LayerTiers, TierError
 
 INT2 = "int2"
@@ -20,9 +20,7 @@ BYTES_PER_TOKEN = 80
 
 
 def read_text(path: str | Path) -> str:
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    with (gzip.open if Path(path).suffix == ".gz" else open)(path, "rt", encoding="utf-8", errors="replace") as f:
         return f.read()
 
 
@@ -63,14 +61,12 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         if clip == "fitted":
             raise ArtifactError("--clip fitted fits one clip ratio per layer to whole INT2 rows, not to tiers; "
                                 f"drop --clip fitted (or pass --tiers {INT2})")
-    if isinstance(tiers, LayerTiers):
-        try:
+    try:
+        if isinstance(tiers, LayerTiers):
             tiers.check(fp["head_dim"], "--tiers")
-        except TierError as e:
-            raise ArtifactError(str(e)) from e
+    except TierError as e:
+        raise ArtifactError(str(e)) from e
     if tiers is None:
-        from vllm_kvq.calib.tier_search import sizes
-
         if seq_len <= sink + window:
             raise ArtifactError(f"the tier search scores plans on held-out queries that read quantized rows: "
                                 f"--seq-len {seq_len} must exceed --sink + --window ({sink + window})")
@@ -88,7 +84,7 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         raise ArtifactError(f"{data} gives only {len(windows)} window(s) of {seq_len} tokens; calibration needs 2 "
                             "or more: give more text, or a smaller --seq-len")
     fit_windows, held_out = windows[:-1], windows[-1:]
-    collector = StatsCollector(text_config(config).num_key_value_heads, head_dim(text_config(config)), sink)
+    collector = StatsCollector(fp["num_key_value_heads"], fp["head_dim"], sink)
     net = load_model(model, device, getattr(torch, dtype), collector)
     run_windows(net, fit_windows, device, "query/output covariance")
     if value_target == "proxy":
@@ -102,8 +98,6 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         "windows": len(fit_windows), "device": device, "dtype": dtype,
     }
     if tiers is None:
-        from vllm_kvq.calib.tier_search import LayerProbe, search, sensitivities
-
         probes = {i: LayerProbe(st, i, value_target, sink, window) for i, st in sorted(collector.layers.items())}
         weight = sensitivities(net, collector, held_out[0], probes, fp["head_dim"], k_clip, v_clip, device)
         per_layer, report = search(probes, fp["head_dim"], bytes_per_token, k_clip, v_clip, weight)

@@ -89,12 +89,14 @@ class StatsCollector:
         return out.transpose(1, 2), None
 
 
-def load_model(model_dir: str, device: str, dtype: torch.dtype, collector: StatsCollector):
+def load_model(model_dir: str, device: str, dtype: torch.dtype, collector: StatsCollector | None = None):
+    """The checkpoint in transformers; with a ``collector``, its attention runs through it."""
     from transformers import AttentionInterface, AutoModelForCausalLM
 
-    AttentionInterface.register(ATTN_NAME, collector)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
-    return model.to(device).eval()
+    if collector is not None:
+        AttentionInterface.register(ATTN_NAME, collector)
+    extra = {} if collector is None else {"attn_implementation": ATTN_NAME}
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **extra).to(device).eval()
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ import torch
 
 from vllm_kvq.calib.capture import LayerStats, StatsCollector, window_log_probs
 from vllm_kvq.calib.fit import value_covariance, zero_fill
-from vllm_kvq.calib.rotation import eigen_order, tiered_rotation
+from vllm_kvq.calib.rotation import eigen_order, rotate_heads, tiered_rotation
 from vllm_kvq.kernels.oscar.format import WIDTH_STEP, LayerTiers, TierPlan
 from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_attention, mixed_probs
 
@@ -46,12 +46,6 @@ def sizes(head_dim: int) -> list[int]:
     """Bytes per token and KV head that some pair of K and V plans takes."""
     plans = candidate_plans(head_dim)
     return sorted({pk.row_bytes + pv.row_bytes for pk in plans for pv in plans})
-
-
-def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Rows ``[H*g, T, D]`` (heads grouped by KV head) times per-KV-head ``R [H, D, D]``."""
-    h = r.shape[0]
-    return (x.view(h, -1, *x.shape[1:]) @ r.unsqueeze(1).to(x.dtype)).view_as(x)
 
 
 class LayerProbe:
@@ -89,7 +83,7 @@ class LayerProbe:
             x = {"q": query[0].float(), "k": key[0].float(), "v": value[0].float()}  # [H, T, D]
             for kind, r in rot.items():
                 for name in ("qk" if kind == "k" else "v"):
-                    x[name] = _rotate(x[name], r.to(dev))
+                    x[name] = rotate_heads(x[name], r.to(dev))
             hi = {kind: x[kind].transpose(0, 1).bfloat16().float() for kind in "kv"}  # [T, H, D]
             lo = dict(hi)
             for kind, plan in plans.items():
@@ -110,10 +104,10 @@ class LayerProbe:
         r = self.rotation(kind, plan)
         fill = zero_fill(self.stats, kind, r, plan)
         rows = lambda x: x.transpose(0, 1).float()  # noqa: E731
-        x = rows(_rotate(self.k if kind == "k" else self.v, r)).bfloat16().float()
+        x = rows(rotate_heads(self.k if kind == "k" else self.v, r)).bfloat16().float()
         lo = fake_quantize(x, plan, clip, fill)
         if kind == "k":
-            q = rows(_rotate(self.q, r))[self.first:]
+            q = rows(rotate_heads(self.q, r))[self.first:]
             probs = mixed_probs(q, self.pos, x, lo, self.sink, self.window, self.scale)
             approx, exact = mix_values(*probs, rows(self.v), rows(self.v)), self.exact
         else:
