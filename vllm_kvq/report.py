@@ -81,9 +81,8 @@ class Format:
     recurrent_bytes: int | None = None
 
     def page(self, head_size: int, block_size: int) -> PagedFormat:
-        if self.settings is None:
-            return Bf16Page(head_size, block_size, 0, 0)
-        return page_format(head_size, block_size, self.settings)
+        return (Bf16Page(head_size, block_size, 0, 0) if self.settings is None
+                else page_format(head_size, block_size, self.settings))
 
 
 FP32_STATE = Format("FP32 states")
@@ -104,9 +103,8 @@ class Layout:
     @property
     def state_raw_bytes(self) -> int:
         """One GDN layer's conv and recurrent state per request, unpadded (0: dense)."""
-        if self.state is None:
-            return 0
-        return self.model.gdn_conv_bytes + (self.state.recurrent_bytes or self.model.gdn_fp32_bytes)
+        return 0 if self.state is None else (
+            self.model.gdn_conv_bytes + (self.state.recurrent_bytes or self.model.gdn_fp32_bytes))
 
     @cached_property
     def block_size(self) -> int:
@@ -177,12 +175,12 @@ def row_name(art: OscarArtifact) -> str | None:
     """The accuracy benchmark's name for rows served with ``art``: ``OSCAR tiers: K 48x4 + 80x2, V ...``
     (one tier plan on every layer) or ``OSCAR, per-KV-head rotation[, fitted clip]`` (INT2)."""
     plans = set((art.tiers or {}).values())
-    if len(plans) > 1:
-        return None
-    if plans:
+    if len(plans) == 1:
         plan = plans.pop()
         k, v = (" + ".join(f"{w}x{b}" if b else f"{w} not stored" for w, b in t.pairs) for t in (plan.k, plan.v))
         return f"OSCAR tiers: K {k}, V {v}"
+    if plans:
+        return None
     name = "OSCAR, " + ("shared per-layer rotation" if art.granularity == "layer" else "per-KV-head rotation")
     if art.provenance.get("value_target") == "exact":
         name += ", exact value target"
@@ -226,18 +224,16 @@ def load_inputs(model_dir: str, artifacts: list[str]) -> Inputs:
 def accuracy_rows(inputs: Inputs, path: str | Path) -> list[tuple[str, dict]] | None:
     """The reference row and the rows served with this report's artifacts, from the results JSON at
     ``path``; None when it has none of the latter."""
-    path = Path(path)
-    if not path.is_file():
+    if not Path(path).is_file():
         raise ValueError(f"--accuracy {path}: no such file; point it at a benchmark's results JSON")
-    data = json.loads(path.read_text())
+    data = json.loads(Path(path).read_text())
     data = data if isinstance(data, dict) else {}
     measured_on = Path(str(data.get("args", {}).get("model", inputs.model.name))).name
     if measured_on != inputs.model.name:
         raise ValueError(f"--accuracy {path} was measured on {measured_on}, not {inputs.model.name}; "
                          "pass this model's results")
     results = data.get("results", {})
-    ref = next((name for name in REFERENCES if name in results), None)
-    if ref is None:
+    if (ref := next((name for name in REFERENCES if name in results), None)) is None:
         raise ValueError(f"--accuracy {path} has no reference row ({' or '.join(REFERENCES)}); point it at a "
                          "benchmark's results JSON")
     names = [f.row for f in inputs.attention + inputs.states if f.row]
@@ -251,9 +247,9 @@ def parse_bytes(text: str) -> int:
     for unit, scale in {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}.items():
         if raw.endswith(unit):
             return int(float(raw[: -len(unit)]) * scale)
-    if not raw.isdigit():
-        raise ValueError(f"--kv-budget {text!r}: give bytes, or a number with KiB, MiB, GiB or TiB")
-    return int(raw)
+    if raw.isdigit():
+        return int(raw)
+    raise ValueError(f"--kv-budget {text!r}: give bytes, or a number with KiB, MiB, GiB or TiB")
 
 
 def show_bytes(n: int) -> str:

@@ -42,11 +42,10 @@ def header(directory: str | Path, fix: str = "expected a directory made by `vllm
         manifest = json.loads((path / MANIFEST).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{where}: {MANIFEST} is not valid JSON ({e}); {fix}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        got = manifest.get("format") if isinstance(manifest, dict) else None
+    got = manifest.get("format") if isinstance(manifest, dict) else None
+    if got != FORMAT_NAME:
         raise ArtifactError(f"{where}: format {got!r} is not {FORMAT_NAME!r}; {fix}")
-    version = manifest.get("format_version")
-    if version not in READS:
+    if (version := manifest.get("format_version")) not in READS:
         raise ArtifactError(f"{where}: unknown format_version {version!r}; this vllm-kvq reads versions "
                             f"{list(READS)}. Re-run `vllm-kvq calibrate` or upgrade vllm-kvq")
     return manifest
@@ -68,11 +67,9 @@ def read_manifest(directory: str | Path, kind: str, required: tuple[str, ...], o
             raise ArtifactError(f"{where} is {WHAT[got]} (kind {got!r}), not {WHAT[kind]}; pass it as "
                                 f"{SETTING[got]}, and make {WHAT[kind]} with {MAKE[kind]}")
         raise ArtifactError(f"{where}: unknown artifact kind {got!r}; expected {kind!r}")
-    missing = [k for k in required if k not in manifest]
-    if missing:
+    if missing := [k for k in required if k not in manifest]:
         raise ArtifactError(f"{where}: manifest lacks {missing}; re-run {MAKE[kind]}")
-    unknown = sorted(set(manifest) - set(HEAD) - set(required) - set(optional))
-    if unknown:
+    if unknown := sorted(set(manifest) - set(HEAD) - set(required) - set(optional)):
         raise ArtifactError(f"{where}: unknown manifest field(s) {unknown}; this vllm-kvq does not know what they "
                             f"ask for: re-run {MAKE[kind]} or upgrade vllm-kvq")
     return manifest
@@ -83,16 +80,14 @@ def read(directory: str | Path, kind: str, required: tuple[str, ...],
     """(manifest, tensors) of an artifact of ``kind`` (see :func:`read_manifest`)."""
     from safetensors import safe_open
 
-    manifest = read_manifest(directory, kind, required, optional)
-    path = Path(directory) / TENSORS
+    manifest, where, path = read_manifest(directory, kind, required, optional), Path(directory), Path(directory) / TENSORS
     if not path.is_file():
-        raise ArtifactError(f"artifact {Path(directory)}: no {TENSORS}; re-run {MAKE[kind]}")
+        raise ArtifactError(f"artifact {where}: no {TENSORS}; re-run {MAKE[kind]}")
     try:
         with safe_open(str(path), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
+            return manifest, {key: f.get_tensor(key) for key in f.keys()}
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise ArtifactError(f"artifact {Path(directory)}: {TENSORS} cannot be read ({e}); re-run {MAKE[kind]}") from e
-    return manifest, tensors
+        raise ArtifactError(f"artifact {where}: {TENSORS} cannot be read ({e}); re-run {MAKE[kind]}") from e
 
 
 def per_layer(tensors: dict, name: str, layers: list[int], where: str, required: bool = False) -> dict:
@@ -117,9 +112,8 @@ def write(directory: str | Path, kind: str, manifest: dict, tensors: dict[str, t
 def check_fingerprint(where: str, calibrated: dict, model: dict, kind: str) -> None:
     """Fail unless the artifact's fingerprint matches the model's (layer
     coverage is each kind's own check)."""
-    diffs = {k: (calibrated.get(k), v) for k, v in model.items()
-             if k != "attention_layers" and calibrated.get(k) != v}
-    if diffs:
+    if diffs := {k: (calibrated.get(k), v) for k, v in model.items()
+                 if k != "attention_layers" and calibrated.get(k) != v}:
         detail = ", ".join(f"{k}: artifact {a!r} vs model {b!r}" for k, (a, b) in diffs.items())
         raise ArtifactError(f"{where} was calibrated for a different model ({detail}); calibrate this model "
                             f"with {MAKE[kind]}")

@@ -44,30 +44,25 @@ class StatsCollector:
     """The attention function transformers calls; accumulates per layer."""
 
     def __init__(self, num_kv_heads: int, head_dim: int, sink: int = 64):
-        self.h, self.d = num_kv_heads, head_dim
-        self.sink = sink
+        self.h, self.d, self.sink = num_kv_heads, head_dim, sink
         self.layers: dict[int, LayerStats] = {}
         self.mode = "covariance"  # or "proxy" (second pass) or "hold_out"
         self.perturb = None  # {layer: attention(q, k, v, scaling) -> [B, T, Hq, D]}: those layers' attention replaced
 
     def stats(self, layer: int, device) -> LayerStats:
         if layer not in self.layers:
-            z = torch.zeros(self.h, self.d, self.d, dtype=torch.float64, device=device)
-            m = torch.zeros(self.h, self.d, dtype=torch.float64, device=device)
-            self.layers[layer] = LayerStats(z.clone(), z.clone(), z.clone(), m.clone(), m.clone())
+            z = lambda *shape: torch.zeros(self.h, *shape, dtype=torch.float64, device=device)  # noqa: E731
+            self.layers[layer] = LayerStats(z(self.d, self.d), z(self.d, self.d), z(self.d, self.d), z(self.d), z(self.d))
         return self.layers[layer]
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-        if self.perturb is not None:
-            if module.layer_idx in self.perturb:
-                return self.perturb[module.layer_idx](query, key, value, scaling), None
-            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
-                                                  enable_gqa=True).transpose(1, 2), None
-        b, hq, t, d = query.shape
-        h = key.shape[1]
+        if self.perturb is not None and module.layer_idx in self.perturb:
+            return self.perturb[module.layer_idx](query, key, value, scaling), None
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-        st = self.stats(module.layer_idx, query.device)
-        g = hq // h
+        if self.perturb is not None:  # the other layers exact, and no statistics taken
+            return out.transpose(1, 2), None
+        (b, hq, t, d), h = query.shape, key.shape[1]
+        st, g = self.stats(module.layer_idx, query.device), hq // h
         q64 = query[0].double().reshape(h, g * t, d)  # queries of each KV head's group
         k64, v64 = key[0].double(), value[0].double()
         if self.mode == "covariance":

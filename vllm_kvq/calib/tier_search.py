@@ -34,12 +34,8 @@ QUERIES = 256
 
 def candidate_plans(head_dim: int) -> list[TierPlan]:
     """Every plan of INT4, INT2 and 0-bit widths in steps of WIDTH_STEP that stores something."""
-    out = []
-    for int4 in range(0, head_dim + 1, WIDTH_STEP):
-        for int2 in range(0, head_dim - int4 + 1, WIDTH_STEP):
-            if int4 + int2:
-                out.append(TierPlan(int4, int2, head_dim - int4 - int2))
-    return out
+    return [TierPlan(int4, int2, head_dim - int4 - int2) for int4 in range(0, head_dim + 1, WIDTH_STEP)
+            for int2 in range(0, head_dim - int4 + 1, WIDTH_STEP) if int4 + int2]
 
 
 def sizes(head_dim: int) -> list[int]:
@@ -53,14 +49,12 @@ class LayerProbe:
 
     def __init__(self, stats: LayerStats, layer: int, value_target: str, sink: int, window: int,
                  queries: int = QUERIES):
-        held = stats.held_out
-        if not held:
+        if not (held := stats.held_out):
             raise ValueError(f"layer {layer}: no held-out window to score tier plans on")
         self.stats, self.layer, self.sink, self.window, self.scale = stats, layer, sink, window, held["scale"]
         self.q, self.k, self.v = (held[x].double() for x in "qkv")  # [Hq or H, T, D]
-        t = self.q.shape[1]
-        self.first = max(t - queries, 0)
-        self.pos = torch.arange(self.first, t)
+        self.first = max(self.q.shape[1] - queries, 0)
+        self.pos = torch.arange(self.first, self.q.shape[1])
         self.orders = {"k": [eigen_order(c.cpu())[0] for c in stats.cq],
                        "v": [eigen_order(c.cpu())[0] for c in value_covariance(stats, value_target)]}
         rows = lambda x: x.transpose(0, 1).float()  # noqa: E731  [H, T, D] -> [T, H, D]
@@ -85,10 +79,8 @@ class LayerProbe:
                 for name in ("qk" if kind == "k" else "v"):
                     x[name] = rotate_heads(x[name], r.to(dev))
             hi = {kind: x[kind].transpose(0, 1).bfloat16().float() for kind in "kv"}  # [T, H, D]
-            lo = dict(hi)
-            for kind, plan in plans.items():
-                fill = fills[kind]
-                lo[kind] = fake_quantize(hi[kind], plan, clips[kind], None if fill is None else fill.to(dev))
+            lo = {**hi, **{kind: fake_quantize(hi[kind], plan, clips[kind], None if fills[kind] is None
+                                               else fills[kind].to(dev)) for kind, plan in plans.items()}}
             pos = torch.arange(hi["k"].shape[0], device=dev)
             out = mixed_attention(x["q"].transpose(0, 1), pos, hi["k"], hi["v"], lo["k"], lo["v"], self.sink,
                                   self.window, scaling)
@@ -148,10 +140,7 @@ def sensitivities(net, collector: StatsCollector, held: list[int], probes: dict[
     finally:
         collector.perturb = None
     floor = 1e-3 * max(raw.values(), default=1.0) or 1.0
-    out = {}
-    for (layer, kind), a in raw.items():
-        out.setdefault(layer, {})[kind] = max(a, floor)
-    return out
+    return {layer: {kind: max(raw[layer, kind], floor) for kind in "kv"} for layer in probes}
 
 
 def choose(errors: dict[str, dict[TierPlan, float]], budget: int,

@@ -25,11 +25,8 @@ def read_zoo(path: str) -> dict[int, torch.Tensor]:
     version = blob.get("format_version", 1)
     if version not in (1, 2):
         raise ArtifactError(f"{path}: unknown RotationZoo format_version {version}")
-    out = {}
-    for key, entry in blob["layers"].items():
-        rot = entry["rotation"] if isinstance(entry, dict) else entry
-        out[int(key)] = torch.as_tensor(rot).float()
-    return out
+    return {int(key): torch.as_tensor(entry["rotation"] if isinstance(entry, dict) else entry).float()
+            for key, entry in blob["layers"].items()}
 
 
 def import_zoo(k_path: str, v_path: str, fingerprint: dict, k_clip: float = 0.96, v_clip: float = 0.92,

@@ -51,11 +51,9 @@ class Reservoir:
 
     def put(self, slot: int, item: torch.Tensor, step: int) -> None:
         if slot == len(self.items):
-            self.items.append(item)
-            self.steps.append(step)
-        else:
-            self.items[slot] = item
-            self.steps[slot] = step
+            self.items.append(None)
+            self.steps.append(None)
+        self.items[slot], self.steps[slot] = item, step
 
 
 @dataclass
