@@ -22,10 +22,10 @@ from vllm_kvq.artifacts.stepquant import StepQuantPlan
 from vllm_kvq.backends.resolve import page_format, pool_plan
 from vllm_kvq.backends.settings import OscarSettings
 from vllm_kvq.kernels.oscar.format import PagedFormat
+from vllm_kvq.kernels.stepquant.format import fp32_state_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 CONTEXTS = tuple(1024 << i for i in range(8))  # 1K .. 128K
-INSTALL_HINT = "pip install 'vllm-kvq[report]'"
 REFERENCES = ("bf16", "FP32 state (vLLM)")  # the benchmarks' unquantized rows
 DEFAULT_BLOCK = 128  # vLLM 0.32's CPU block size when none is given
 BF16_KERNEL_BLOCK = 32  # CPU_ATTN's kernel blocks are multiples of 32
@@ -66,7 +66,7 @@ class ModelShape:
             hk, hv = int(cfg.linear_num_key_heads), int(cfg.linear_num_value_heads)
             k, v = int(cfg.linear_key_head_dim), int(cfg.linear_value_head_dim)
             conv = (int(cfg.linear_conv_kernel_dim) - 1) * (2 * hk * k + hv * v) * 2
-            fp32 = 4 * hv * k * v
+            fp32 = fp32_state_bytes(hv, k, v)
         return cls(name, len(attn), int(cfg.num_key_value_heads), head_dim(cfg), len(gdn), conv, fp32)
 
 
@@ -182,8 +182,7 @@ def row_name(art: OscarArtifact) -> str | None:
     if plans:
         return None
     name = "OSCAR, " + ("shared per-layer rotation" if art.granularity == "layer" else "per-KV-head rotation")
-    if art.provenance.get("value_target") == "exact":
-        name += ", exact value target"
+    name += ", exact value target" if art.provenance.get("value_target") == "exact" else ""
     return name + (", fitted clip" if art.provenance.get("clip") == "fitted" else "")
 
 
@@ -385,7 +384,8 @@ def write_report(model_dir: str, artifacts: list[str], out_dir: str, budgets: li
     try:
         import matplotlib
     except ImportError:
-        raise SystemExit(f"vllm-kvq report draws its plots with matplotlib, which is not installed: {INSTALL_HINT}")
+        raise SystemExit("vllm-kvq report draws its plots with matplotlib, which is not installed: "
+                         "pip install 'vllm-kvq[report]'")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

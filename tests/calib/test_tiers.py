@@ -153,7 +153,7 @@ def _synthetic_layer(gen, sharpness: float, t: int = 256, d: int = 64):
     v = torch.randn(1, t, d, generator=gen, dtype=torch.float64) * spread
     qg = q.reshape(1, 2 * t, d)
     st = LayerStats(cq=qg.transpose(1, 2) @ qg, cs=v.transpose(1, 2) @ v, cv=v.transpose(1, 2) @ v,
-                    k_sum=k.sum(1), v_sum=v.sum(1), n_q=2 * t, n_kv=t, n_mean=t)
+                    k_sum=k.sum(1), v_sum=v.sum(1), n_q=2 * t, n_mean=t)
     st.held_out = {"q": q.float(), "k": k.float(), "v": v.float(), "scale": d ** -0.5}
     return st
 

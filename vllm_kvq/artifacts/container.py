@@ -20,10 +20,8 @@ READS = (1, 2)
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
 HEAD = ("format", "format_version", "kind")
-MAKE = {
-    "oscar": "`vllm-kvq calibrate MODEL --data FILE --out DIR`",
-    "stepquant": "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`",
-}
+MAKE = {"oscar": "`vllm-kvq calibrate MODEL --data FILE --out DIR`",
+        "stepquant": "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`"}
 SETTING = {"oscar": "kvq.artifact", "stepquant": "kvq.state_artifact"}
 WHAT = {"oscar": "an OSCAR KV-cache artifact", "stepquant": "a STEPQuant state plan"}
 
@@ -80,7 +78,8 @@ def read(directory: str | Path, kind: str, required: tuple[str, ...],
     """(manifest, tensors) of an artifact of ``kind`` (see :func:`read_manifest`)."""
     from safetensors import safe_open
 
-    manifest, where, path = read_manifest(directory, kind, required, optional), Path(directory), Path(directory) / TENSORS
+    manifest, where = read_manifest(directory, kind, required, optional), Path(directory)
+    path = where / TENSORS
     if not path.is_file():
         raise ArtifactError(f"artifact {where}: no {TENSORS}; re-run {MAKE[kind]}")
     try:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm_kvq.artifacts.oscar import OscarArtifact
@@ -68,9 +70,11 @@ def stepquant_summary(plan) -> str:
         lines.append(f"provenance: {plan.provenance}")
     for layer in plan.layers:
         lines.append(f"layer {layer}:")
-        if layer in plan.log_decay:
-            lines.append("  log decay  " + " ".join(f"{x:9.4f}" for x in plan.log_decay[layer].double().tolist()))
-            lines.append("  half-life  " + " ".join(f"{x:9.2f}" for x in plan.half_life(layer).tolist()) + "  tokens")
+        if layer in plan.log_decay:  # half-life: log 2 / (−ℓ) tokens (inf at ℓ = 0)
+            ell = plan.log_decay[layer].double()
+            half_life = torch.where(ell < 0, math.log(2.0) / (-ell), math.inf)
+            lines.append("  log decay  " + " ".join(f"{x:9.4f}" for x in ell.tolist()))
+            lines.append("  half-life  " + " ".join(f"{x:9.2f}" for x in half_life.tolist()) + "  tokens")
         w = plan.impact(layer).double()
         spread = (w.max(-1).values / w.min(-1).values).tolist()
         lines.append("  w max/min  " + " ".join(f"{x:9.2f}" for x in spread))

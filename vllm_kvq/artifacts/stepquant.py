@@ -17,8 +17,6 @@ impact w is fixed; the online codec refits row and column scales every step.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,17 +138,14 @@ class StepQuantPlan:
                 if widths is None:
                     raise ArtifactError(f"{where}: budget {b} has no widths for layer {layer}")
                 if len(widths) != hv:
-                    raise ArtifactError(
-                        f"{where}: budget {b} layer {layer} has {len(widths)} widths, expected {hv} (one per value head)")
-                bad = sorted({w for w in widths if w not in allowed})
-                if bad:
-                    raise ArtifactError(
-                        f"{where}: budget {b} layer {layer} has widths {bad}; allowed are {sorted(allowed)} (16 = pivot)")
-                spent = sum(PIVOT_BUDGET_BITS if w == PIVOT else w for w in widths)
-                if spent > b * hv:
-                    raise ArtifactError(
-                        f"{where}: budget {b} layer {layer} spends {spent} bits > {b}x{hv} = {b * hv} "
-                        f"(a pivot counts as 8); {fix}")
+                    raise ArtifactError(f"{where}: budget {b} layer {layer} has {len(widths)} widths, expected {hv} "
+                                        "(one per value head)")
+                if bad := sorted({w for w in widths if w not in allowed}):
+                    raise ArtifactError(f"{where}: budget {b} layer {layer} has widths {bad}; allowed are "
+                                        f"{sorted(allowed)} (16 = pivot)")
+                if (spent := sum(PIVOT_BUDGET_BITS if w == PIVOT else w for w in widths)) > b * hv:
+                    raise ArtifactError(f"{where}: budget {b} layer {layer} spends {spent} bits > {b}x{hv} = "
+                                        f"{b * hv} (a pivot counts as 8); {fix}")
         for layer in self.layers:
             name = f"impact.{layer}"
             if layer not in self.impacts:
@@ -158,10 +153,9 @@ class StepQuantPlan:
             w64 = container.checked(where, name, self.impacts[layer], (hv, k))
             if not (w64 > 0).all():
                 raise ArtifactError(f"{where}: {name} has non-positive entries; impacts must be > 0; {fix}")
-            drift = float(np.abs(np.log(w64).mean(-1)).max())
-            if drift > GEO_MEAN_TOL:
-                raise ArtifactError(
-                    f"{where}: {name} is not normalised (|mean log w| = {drift:.3g} per head, want 0); {fix}")
+            if (drift := float(np.abs(np.log(w64).mean(-1)).max())) > GEO_MEAN_TOL:
+                raise ArtifactError(f"{where}: {name} is not normalised (|mean log w| = {drift:.3g} per head, want "
+                                    f"0); {fix}")
             for tname, shape in zip(TABLES, ((hv,), (hv, k), (hv, len(DISTORTION_WIDTHS)))):
                 t = getattr(self, tname).get(layer)
                 if t is None:
@@ -182,12 +176,5 @@ class StepQuantPlan:
         if attn is not None and n is not None:
             want = [i for i in range(int(n)) if i not in set(attn)]
             if sorted(self.layers) != want:
-                raise ArtifactError(
-                    f"{where} covers GDN layers {sorted(self.layers)} but the model's are {want}; "
-                    "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`"
-                )
-
-    def half_life(self, layer: int) -> torch.Tensor:
-        """Gate half-life log 2 / (−ℓ) in tokens per head (inf at ℓ = 0)."""
-        ell = self.log_decay[layer].double()
-        return torch.where(ell < 0, math.log(2.0) / (-ell), torch.full_like(ell, math.inf))
+                raise ArtifactError(f"{where} covers GDN layers {sorted(self.layers)} but the model's are {want}; "
+                                    "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`")

@@ -21,7 +21,7 @@ from vllm_kvq.artifacts.oscar import DEFAULT_SINK, DEFAULT_WINDOW, read_page_fie
 from vllm_kvq.backends.schemes import SCHEMES
 from vllm_kvq.backends.settings import OscarSettings, SettingsError
 from vllm_kvq.kernels.oscar.format import LayerTiers, PagedFormat
-from vllm_kvq.kernels.stepquant.format import StateLayout
+from vllm_kvq.kernels.stepquant.format import StateLayout, fp32_state_bytes
 
 
 @dataclass(frozen=True)
@@ -78,20 +78,14 @@ def resolve_artifact(settings: OscarSettings, hf_config) -> OscarArtifact:
 
 @functools.lru_cache(maxsize=8)
 def _resolve(settings: OscarSettings, fingerprint_json: str) -> OscarArtifact:
-    fingerprint = json.loads(fingerprint_json)
-    plan = cache_plan(settings)
+    fingerprint, plan = json.loads(fingerprint_json), cache_plan(settings)
     loaded = OscarArtifact.load(settings.artifact, fingerprint) if settings.artifact else None
-    if settings.rotation_mode == "artifact":
-        art = loaded
-    else:
-        art = builtin_artifact(fingerprint, settings.rotation_mode)
-        if loaded is not None:
-            art.k_clip, art.v_clip = dict(loaded.k_clip), dict(loaded.v_clip)
-    changes = {"sink": plan.sink, "window": plan.window}
+    art = loaded if settings.rotation_mode == "artifact" else builtin_artifact(fingerprint, settings.rotation_mode)
+    clips = {name: dict(getattr(loaded or art, name)) for name in ("k_clip", "v_clip")}  # the artifact's, if any
     for name in ("k_clip", "v_clip"):
         if getattr(settings, name) is not None:
-            changes[name] = dict.fromkeys(art.layers, getattr(settings, name))
-    return dataclasses.replace(art, **changes)
+            clips[name] = dict.fromkeys(art.layers, getattr(settings, name))
+    return dataclasses.replace(art, sink=plan.sink, window=plan.window, **clips)
 
 
 RECORD_ALIGN = 16  # bytes; the GDN state records (kvq.state) below
@@ -119,7 +113,7 @@ class PoolPlan:
         return layout, self.impact[layer][heads].contiguous()
 
     def fp32_bytes(self, tp_size: int) -> int:
-        return 4 * (self.num_v_heads // tp_size) * self.k_dim * self.v_dim
+        return fp32_state_bytes(self.num_v_heads // tp_size, self.k_dim, self.v_dim)
 
 
 def pool_plan(settings: OscarSettings, hf_config, tp_size: int) -> PoolPlan | None:

@@ -104,7 +104,8 @@ class OscarSettings:
             raise SettingsError(f"kvq.state must be one of {STATE_POOLS} (or absent), got {self.state!r}")
         allowed = BUDGETS if self.state == "stepquant" else UNIFORM_BITS
         if self.state is not None and self.state_bits not in allowed:
-            raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got {self.state_bits!r}")
+            raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got "
+                                f"{self.state_bits!r}")
         if self.state == "stepquant" and not self.state_artifact:
             raise SettingsError("kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with `vllm-kvq "
                                 "calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'")
@@ -116,8 +117,7 @@ _cached: OscarSettings | None = None
 def from_vllm_config(vllm_config) -> OscarSettings:
     """Parse (and cache for this process) the settings of a VllmConfig."""
     global _cached
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    _cached = OscarSettings.from_dict(extra.get(CONFIG_KEY))
+    _cached = OscarSettings.from_dict((getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY))
     return _cached
 
 

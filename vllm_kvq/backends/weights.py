@@ -4,8 +4,7 @@ With row vectors ``v' = v @ R_V``: the V rows of ``qkv_proj`` become
 ``R_V^T W_v`` (bias ``b_v @ R_V``), so the cache receives rotated values for
 free; the matching ``o_proj`` columns become ``W_o[:, h] @ R_V``, so the rotated
 attention output needs no un-rotation (with an output gate between attention
-and ``o_proj``, as in Qwen3-Next, the backend un-rotates instead). Runs after the checkpoint is loaded and
-before vLLM repacks weights (``process_weights_after_loading``). FP8 weights
+and ``o_proj``, as in Qwen3-Next, the backend un-rotates instead). FP8 weights
 are dequantized, rotated and requantized (``fp8_weights``).
 """
 
@@ -28,10 +27,8 @@ def _weight_ok(linear: nn.Module) -> bool:
 
 
 def _rotate(linear: nn.Module, rotate_heads, rows: slice, cols: slice) -> None:
-    """Apply ``rotate_heads`` (in place; it multiplies one head block at a time
-    in fp32) to the weight: directly for dense weights, so only one head block
-    is ever held in fp32; on the dequantized weight for FP8, whose touched
-    region is then requantized."""
+    """``rotate_heads`` (in place, one head block at a time in fp32) on the weight: dense weights
+    directly, so no more than one head block is held in fp32; FP8 dequantized, then requantized."""
     if not fp8_weights.is_fp8(linear):
         return rotate_heads(linear.weight.data)
     dense = fp8_weights.dequantize(linear)

@@ -35,7 +35,6 @@ class LayerStats:
     k_sum: torch.Tensor | None = None  # [Hkv, D] fp64, rows at positions >= sink
     v_sum: torch.Tensor | None = None
     n_q: int = 0
-    n_kv: int = 0
     n_mean: int = 0  # rows per KV head in k_sum / v_sum
     held_out: dict = field(default_factory=dict)  # q, k, v of one window, fp32, [H, T, D]
 
@@ -52,7 +51,8 @@ class StatsCollector:
     def stats(self, layer: int, device) -> LayerStats:
         if layer not in self.layers:
             z = lambda *shape: torch.zeros(self.h, *shape, dtype=torch.float64, device=device)  # noqa: E731
-            self.layers[layer] = LayerStats(z(self.d, self.d), z(self.d, self.d), z(self.d, self.d), z(self.d), z(self.d))
+            d = self.d
+            self.layers[layer] = LayerStats(z(d, d), z(d, d), z(d, d), z(d), z(d))
         return self.layers[layer]
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -77,7 +77,6 @@ class StatsCollector:
             c_q = st.cq / max(st.n_q, 1)
             w = torch.einsum("htd,hde,hte->ht", k64, c_q, k64)  # E_q[(q·k_t)^2]
             st.cv += (v64 * w.unsqueeze(-1)).transpose(1, 2) @ v64
-            st.n_kv += t
         else:
             st.held_out = {"q": query[0].float().cpu(), "k": key[0].float().cpu(), "v": value[0].float().cpu(),
                            "scale": float(scaling)}
@@ -106,6 +105,5 @@ def window_log_probs(model, ids: list[int], device: str, first: int = 0) -> torc
 def run_windows(model, windows: list[list[int]], device: str, desc: str) -> None:
     from tqdm import tqdm
 
-    body = model.base_model  # the decoder stack: the statistics need no logits (lm_head is ~20% of the FLOPs)
-    for ids in tqdm(windows, desc=desc, unit="window"):
-        body(torch.tensor([ids], device=device), use_cache=False)
+    for ids in tqdm(windows, desc=desc, unit="window"):  # the decoder stack: no logits (lm_head: ~20% of FLOPs)
+        model.base_model(torch.tensor([ids], device=device), use_cache=False)

@@ -80,8 +80,8 @@ def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity
         plan = None if tiers is None else tiers[idx]
         (rk, spectra["k"][idx]), (rv, spectra["v"][idx]) = rotations(st, granularity, value_target, plan, idx)
         ks[idx], vs[idx] = rk, rv
-        for kind, r in (("k", rk), ("v", rv)) if plan is not None else ():
-            if (f := zero_fill(st, kind, r, getattr(plan, kind))) is not None:
+        for kind, r in (("k", rk), ("v", rv)):
+            if plan is not None and (f := zero_fill(st, kind, r, getattr(plan, kind))) is not None:
                 fill[kind][idx] = f
         if clip == "fitted":
             kc[idx], vc[idx], errors = fit_clip(st.held_out, rk, rv, sink, window)

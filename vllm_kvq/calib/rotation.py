@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvq.artifacts.builtin import hadamard
-from vllm_kvq.calib.stepquant.threads import single_thread
+from vllm_kvq.calib import single_thread
 from vllm_kvq.kernels.oscar.format import TierPlan
 
 

@@ -47,13 +47,12 @@ def sizes(head_dim: int) -> list[int]:
 class LayerProbe:
     """A layer's held-out window and the pieces every candidate reuses."""
 
-    def __init__(self, stats: LayerStats, layer: int, value_target: str, sink: int, window: int,
-                 queries: int = QUERIES):
+    def __init__(self, stats: LayerStats, layer: int, value_target: str, sink: int, window: int):
         if not (held := stats.held_out):
             raise ValueError(f"layer {layer}: no held-out window to score tier plans on")
         self.stats, self.layer, self.sink, self.window, self.scale = stats, layer, sink, window, held["scale"]
         self.q, self.k, self.v = (held[x].double() for x in "qkv")  # [Hq or H, T, D]
-        self.first = max(self.q.shape[1] - queries, 0)
+        self.first = max(self.q.shape[1] - QUERIES, 0)
         self.pos = torch.arange(self.first, self.q.shape[1])
         self.orders = {"k": [eigen_order(c.cpu())[0] for c in stats.cq],
                        "v": [eigen_order(c.cpu())[0] for c in value_covariance(stats, value_target)]}
@@ -174,8 +173,8 @@ def search(probes: dict[int, LayerProbe], head_dim: int, budget: int, k_clip: fl
                   for kind, clip in (("k", k_clip), ("v", v_clip))}
         weight = (sensitivity or {}).get(idx, {"k": 1.0, "v": 1.0})
         chosen[idx], predicted = choose(errors, budget, weight)
-        report[str(idx)] = {"tiers": str(chosen[idx]), "k_error": round(errors["k"][chosen[idx].k], 6),
-                            "v_error": round(errors["v"][chosen[idx].v], 6),
-                            "k_sensitivity": round(weight["k"], 6), "v_sensitivity": round(weight["v"], 6),
-                            "predicted_kl": round(predicted, 8)}
+        t = chosen[idx]
+        report[str(idx)] = {"tiers": str(t), "k_error": round(errors["k"][t.k], 6),
+                            "v_error": round(errors["v"][t.v], 6), "k_sensitivity": round(weight["k"], 6),
+                            "v_sensitivity": round(weight["v"], 6), "predicted_kl": round(predicted, 8)}
     return chosen, report

@@ -51,8 +51,6 @@ def knapsack(cost: np.ndarray, widths: tuple[int, ...], budget: int) -> tuple[li
     backtracking; O(n · budget · |widths|). Ties keep the narrower width.
     """
     n = cost.shape[0]
-    if n == 0:
-        return [], 0.0
     if min(widths) * n > budget:
         raise ValueError(f"budget {budget} bits cannot hold {n} units of at least {min(widths)} bits")
     inf = float("inf")

@@ -17,7 +17,7 @@ from vllm_kvq.calib.stepquant.allocate import (CANDIDATES, GAMMA, HORIZON, PIVOT
                                                impact_factors, lifetime_weight, pivot_count)
 from vllm_kvq.calib.stepquant.capture import run_windows
 from vllm_kvq.calib.stepquant.stats import RESERVOIR, SEED, SNAPSHOT_EVERY, LayerStats, StateStatsCollector
-from vllm_kvq.calib.stepquant.threads import single_thread
+from vllm_kvq.calib import single_thread
 from vllm_kvq.kernels.stepquant import reference
 from vllm_kvq.kernels.stepquant.format import BUDGETS, StateLayout
 

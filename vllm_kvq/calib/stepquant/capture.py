@@ -25,10 +25,7 @@ KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rul
 
 def gdn_modules(model) -> dict[int, torch.nn.Module]:
     """GDN modules by global layer id (their ``layer_idx``)."""
-    out = {}
-    for _, m in model.named_modules():
-        if type(m).__name__.endswith("GatedDeltaNet"):
-            out[int(m.layer_idx)] = m
+    out = {int(m.layer_idx): m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
     if not out:
         raise ValueError("no gated-delta-net layers found; STEPQuant calibration needs a GDN hybrid "
                          "(Qwen3-Next / Qwen3.5)")

@@ -93,17 +93,14 @@ class StateStatsCollector:
         self.every, self.reservoir, self.seed = every, reservoir, seed
         self.layers: dict[int, LayerStats] = {}
 
-    def layer(self, idx: int, num_heads: int, k_dim: int) -> LayerStats:
-        if idx not in self.layers:
-            self.layers[idx] = LayerStats(num_heads, k_dim, snapshots=Reservoir(self.reservoir, self.seed))
-        return self.layers[idx]
-
     def observe_inputs(self, idx: int, q, k, v, g, beta):
         """Fold one call's gates and row gains in (inputs ``[B, H, T, ...]``
         fp32); returns the ``on_update`` callback of its recurrence, which
         offers every ``every``-th state of each sequence to the reservoir."""
         b, h, t, kd = k.shape
-        st = self.layer(idx, h, kd)
+        if idx not in self.layers:
+            self.layers[idx] = LayerStats(h, kd, snapshots=Reservoir(self.reservoir, self.seed))
+        st = self.layers[idx]
         st.log_decay_sum += g.double().sum((0, 2)).cpu()
         st.omega_sum += row_gain(q, k, g, beta).double().square().sum((0, 2)).cpu()
         st.tokens += b * t

@@ -66,9 +66,7 @@ class KiviPages:
         nb, h = kv_cache.shape[0], kv_cache.shape[1]
         flat = kv_cache.view(nb, h, fmt.block_bytes)
         kb, cb, d = fmt.block_size, fmt.code_bytes, fmt.head_size
-
-        def region(offset: int, size: int) -> torch.Tensor:
-            return flat[:, :, offset : offset + size]
+        region = lambda offset, size: flat[:, :, offset : offset + size]  # noqa: E731
 
         self.k_codes = region(0, kb * cb).unflatten(-1, (kb, cb))
         self.v_codes = region(fmt.v_codes_offset, kb * cb).unflatten(-1, (kb, cb))
@@ -84,10 +82,6 @@ class KiviPages:
         self.values = TierPlan.int2_only(d)  # values: OSCAR INT2 rows
 
 
-def _group_start(pos: int, fmt: KiviFormat) -> int:
-    return pos - pos % fmt.token_group
-
-
 def read_context(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int):
     """Rows a query may read about positions ``0 .. ctx``: (k_int2, v_int2,
     k_bf16, v_bf16). Keys of the open group (from ``ctx`` rounded down to a
@@ -100,7 +94,7 @@ def read_context(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx
     step = pages.k_step[blk, :, grp].contiguous().view(torch.float16)[..., 0] if fmt.key_pairs == "int8" else None
     k_q = dequantize_keys(k_codes, pages.k_scale[blk, :, grp], step)  # step: [ctx, H]
     k_hi, v_hi, _ = oscar.read_state_rows(pages.state, fmt, block_row, ctx, k_q)
-    open_start = _group_start(ctx, fmt)
+    open_start = ctx - ctx % fmt.token_group
     k_q[open_start:] = k_hi[open_start:]
     return k_q, v_q, k_hi, v_hi
 
@@ -111,10 +105,8 @@ def attend_and_write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor,
     """One request's step over positions ``ctx .. ctx+T``: attend over the
     cached context plus the chunk, then store the chunk (value codes, BF16
     rows, and the key groups the chunk completes). Returns ``[T, Hq, D]`` fp32."""
-    t = q.shape[0]
-    end = ctx + t
-    k_bf = k.to(torch.bfloat16).float()
-    v_bf = v.to(torch.bfloat16).float()
+    end = ctx + q.shape[0]
+    k_bf, v_bf = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
     v_quant = oscar.quantize(v_bf, pages.values, v_clip)
     v_lo_new = oscar.dequantize(*v_quant, pages.values)
     if ctx > 0:
@@ -126,7 +118,7 @@ def attend_and_write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor,
         k_hi, v_hi, v_lo = k_bf, v_bf, v_lo_new
     # Key groups from the open one at ctx up to the chunk's end: BF16 rows of
     # the open group's cached part are in the window (W >= T).
-    first = _group_start(ctx, fmt)
+    first = ctx - ctx % fmt.token_group
     tail = k_hi[first:end]
     k_lo = torch.cat((k_q[:first], fake_quantize_keys(tail, fmt.token_group, fmt.key_pairs)))
     q_pos = torch.arange(ctx, end, device=q.device)
@@ -138,14 +130,12 @@ def attend_and_write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor,
 def _write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int, k_bf, v_bf, v_quant,
            tail: torch.Tensor, first: int) -> None:
     end = ctx + k_bf.shape[0]
-    positions = torch.arange(ctx, end, device=k_bf.device)
-    blk, off = oscar.data_location(block_row, positions, fmt)
+    blk, off = oscar.data_location(block_row, torch.arange(ctx, end, device=k_bf.device), fmt)
     pages.v_codes[blk, :, off], pages.v_scale[blk, :, off] = v_quant
     tg = fmt.token_group
     for g in range(first, end - tg + 1, tg):
         seg = tail[g - first : g - first + tg]
-        gpos = torch.arange(g, g + tg, device=k_bf.device)
-        gblk, goff = oscar.data_location(block_row, gpos, fmt)
+        gblk, goff = oscar.data_location(block_row, torch.arange(g, g + tg, device=k_bf.device), fmt)
         codes, pairs, step = quantize_keys(seg, fmt.key_pairs)
         if step is not None:
             pages.k_step[gblk[0], :, goff[0] // tg] = step.contiguous().view(torch.uint8).view(-1, 2)
