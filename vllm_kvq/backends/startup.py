@@ -40,13 +40,6 @@ def check_oscar_config(vllm_config) -> None:
     fmt = page_format(head_dim(text_config(model_config.hf_config)), cache_config.block_size, s)
     if uses_triton(s, torch.device(current_platform.device_type)):
         _check_triton_shapes(fmt)
-    if cache_config.enable_prefix_caching:
-        logger.warning(
-            "OSCAR keeps each request's BF16 sink/window rows in its own state blocks, "
-            "which a prefix-cache hit cannot restore: prefix caching is disabled "
-            "(pass --no-enable-prefix-caching to silence this)."
-        )
-        cache_config.enable_prefix_caching = False
     logger.info(
         "OSCAR: scheme=%s, rotation=%s (%s), group=%d, sink=%d, window=%d, %d B/token/head, "
         "%d state blocks/request, %.3f bits/element at %d tokens",
