@@ -85,6 +85,10 @@ class OscarSettings:
     """Nominal bits per state value: 6 or 4 for ``stepquant`` (the plan holds
     both), 4, 6, 8 or 16 for ``uniform``."""
 
+    speculative_tokens: int = 0
+    """Not a kvq key: draft tokens per step, from vLLM's speculative config
+    (the BF16 ring keeps that many spare slots)."""
+
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
@@ -96,7 +100,7 @@ class OscarSettings:
     @classmethod
     def from_dict(cls, raw: dict | None) -> "OscarSettings":
         raw = dict(raw or {})
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"speculative_tokens"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SettingsError(
@@ -180,7 +184,9 @@ def from_vllm_config(vllm_config) -> OscarSettings:
     """Parse (and cache for this process) the settings of a VllmConfig."""
     global _cached
     extra = getattr(vllm_config, "additional_config", None) or {}
-    _cached = OscarSettings.from_dict(extra.get(CONFIG_KEY))
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drafts = (getattr(speculative, "num_speculative_tokens", None) or 0) if speculative is not None else 0
+    _cached = dataclasses.replace(OscarSettings.from_dict(extra.get(CONFIG_KEY)), speculative_tokens=drafts)
     return _cached
 
 

@@ -40,6 +40,12 @@ def check_oscar_config(vllm_config) -> None:
     fmt = page_format(head_dim(text_config(model_config.hf_config)), cache_config.block_size, s)
     if uses_triton(s, torch.device(current_platform.device_type)):
         _check_triton_shapes(fmt)
+        if vllm_config.speculative_config is not None:
+            raise ValueError(
+                "OSCAR's Triton kernels keep a ring of exactly W BF16 window rows, which the rows of "
+                "rejected draft tokens would overwrite; with speculative decoding pass kvq.kernels "
+                "'reference' (the PyTorch ops keep k spare ring slots), or drop the speculative config"
+            )
     logger.info(
         "OSCAR: scheme=%s, rotation=%s (%s), group=%d, sink=%d, window=%d, %d B/token/head, "
         "%d state blocks/request, %.3f bits/element at %d tokens",

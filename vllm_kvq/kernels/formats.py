@@ -25,7 +25,8 @@ def artifact_tiers(artifact: str) -> dict | None:
 def page_format(head_size: int, block_size: int, s) -> OscarFormat:
     """OSCAR's per-token pages, KIVI's per-channel key pages (``scheme: kivi``)
     or the artifact's tiers (``scheme: tiered``)."""
-    common = dict(head_size=head_size, group_size=s.group_size, block_size=block_size, sink=s.sink, window=s.window)
+    common = dict(head_size=head_size, group_size=s.group_size, block_size=block_size, sink=s.sink, window=s.window,
+                  ring_slack=getattr(s, "speculative_tokens", 0))
     scheme = getattr(s, "scheme", "oscar")
     if scheme == "kivi":
         return KiviFormat(**common, token_group=s.key_group, key_pairs=s.key_pairs)

@@ -34,7 +34,8 @@ value byte, each ready to unpack in registers.
 State block region (per KV head): ``rows = (KB * C) // (4D)`` slots of one BF16
 K row and one BF16 V row each (``[rows, 2, D]`` bf16, the tail unused). The R
 state blocks together give ``S0 + W`` slots: slot ``p`` holds sink position
-``p < S0``; slot ``S0 + (p - S0) % W`` holds window position ``p >= S0``.
+``p < S0``; slot ``S0 + (p - S0) % W`` holds window position ``p >= S0``
+(``W + k`` slots and ``% (W + k)`` with ``k`` speculative tokens a step).
 
 Worked size (the default: D = 128, G = 128, KB = 128, S0 = 64, W = 256):
 C = 64 + 8 = 72 B per token and head for K and V together (2.25 bits per
@@ -60,6 +61,10 @@ class OscarFormat:
     block_size: int
     sink: int
     window: int
+    ring_slack: int = 0
+    """Extra ring slots for speculative decoding: a step writes the BF16 rows
+    of its draft tokens before they are verified, and with ``k`` spare slots
+    a rejected draft only overwrites a row no later query reads."""
 
     def __post_init__(self) -> None:
         d, g = self.head_size, self.group_size
@@ -122,8 +127,13 @@ class OscarFormat:
 
     # State blocks.
     @property
+    def ring(self) -> int:
+        """Slots of the window ring: W, plus the speculative slack."""
+        return self.window + self.ring_slack
+
+    @property
     def state_slots(self) -> int:
-        return self.sink + self.window
+        return self.sink + self.ring
 
     @property
     def state_row_bytes(self) -> int:

@@ -131,7 +131,7 @@ def _state_location(
     slots = torch.where(
         positions < fmt.sink,
         positions,
-        fmt.sink + (positions - fmt.sink) % max(fmt.window, 1),
+        fmt.sink + (positions - fmt.sink) % max(fmt.ring, 1),
     )
     rows = fmt.state_rows_per_block
     return block_row[torch.div(slots, rows, rounding_mode="floor")].long(), slots % rows
