@@ -51,13 +51,19 @@ def register(block_pool, boundary: BlockHash, blocks, group_id: int) -> None:
 
 
 def drop(block_pool, boundary: BlockHash, num_blocks: int, group_id: int) -> None:
-    """Forget a checkpoint whose blocks nobody holds (they stay in the free
-    queue as plain free blocks)."""
+    """Forget a checkpoint whose blocks nobody holds and put them at the head
+    of the free queue, to be reused first: left where they were (the tail, as
+    recently cached blocks) the next checkpoints would draw fresh blocks and
+    push older cached blocks out."""
     cache = block_pool.cached_block_hash_to_block
+    released = []
     for i in range(num_blocks):
         block = cache.get_one_block(checkpoint_key(boundary, i, group_id))
         if block is not None and block.ref_cnt == 0:
             block_pool._maybe_evict_cached_block(block)
+            block_pool.free_block_queue.remove(block)
+            released.append(block)
+    block_pool.free_block_queue.prepend_n(released)
 
 
 class Demand:
