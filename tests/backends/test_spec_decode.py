@@ -14,12 +14,17 @@ House-qwen3 in fp32 (no bf16 near ties), decode regime (64-token chunks),
 sink 16 and window 32 so INT2 pages are read and drafts land inside the window.
 """
 
+import os
+
 import pytest
 
 from tests.backends.test_state_pool import compare
 from tests.conftest import REPO, make_llm, needles, shutdown
 
 pytestmark = pytest.mark.slow
+# vLLM's ngram proposer runs in numba threads, which on a few shared cores
+# fight torch's threads and slow every step several times over
+os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
 KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar"), "sink": 16, "window": 32}
 DRAFTS = 4
