@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 ARTIFACT = str(REPO / "examples" / "artifacts" / "house-qwen3-oscar")
 DEFAULTS = {"artifact": ARTIFACT}
-SMALL = {"artifact": ARTIFACT, "sink": 48, "window": 32}
+SMALL = {"artifact": ARTIFACT, "sink": 48, "window": 32, "override_artifact": True}
 SMALL_BLOCK = 32
 DECODE_REGIME = dict(dtype="float32", max_num_batched_tokens=64, disable_log_stats=False)
 
@@ -122,7 +122,7 @@ def test_shared_prefix_with_small_window(small_pair, texts, greedy):
 
 @pytest.mark.parametrize("scheme", [
     {"scheme": "kivi"},
-    {"scheme": "tiered", "artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-tiered")},
+    {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-tiered")},
 ])
 def test_shared_prefix_with_other_schemes(scheme, texts, greedy):
     """The KIVI-style (per-channel key groups, closed at block boundaries)

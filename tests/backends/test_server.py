@@ -25,7 +25,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def server():
     port = _free_port()
-    kvq = {"rotation": "hadamard", "sink": 16, "window": 32, "group_size": 64}
+    kvq = {"rotation": "hadamard", "sink": 16, "window": 32}
     cmd = [
         sys.executable, "-m", "vllm_kvq.cli", "serve", model_path(),
         "--host", "127.0.0.1", "--port", str(port),

@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 # fight torch's threads and slow every step several times over
 os.environ.setdefault("NUMBA_NUM_THREADS", "1")
 
-KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar"), "sink": 16, "window": 32}
+KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar"), "sink": 16, "window": 32,
+       "override_artifact": True}
 DRAFTS = 4
 NGRAM = {"method": "ngram", "num_speculative_tokens": DRAFTS, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 ENGINE = dict(dtype="float32", max_model_len=2048, max_num_batched_tokens=64, disable_log_stats=False)
