@@ -42,12 +42,12 @@ def check_oscar_config(vllm_config) -> None:
         why = check_shapes(d)
         if why:
             raise ValueError(f"OSCAR: {why}; pass kvq.kernels 'reference' (the PyTorch reference ops; slow)")
-        if vllm_config.speculative_config is not None:
-            raise ValueError(
-                "OSCAR's Triton kernels keep a ring of exactly W BF16 window rows, which the rows of "
-                "rejected draft tokens would overwrite; with speculative decoding pass kvq.kernels "
-                "'reference' (the PyTorch ops keep k spare ring slots), or drop the speculative config"
-            )
+    draft = vllm_config.speculative_config
+    if draft is not None and getattr(draft.attention_backend, "name", None) == "OSCAR":
+        raise ValueError(
+            "OSCAR serves the target model's layers, whose rotations an artifact holds; a draft model's layers "
+            "have none: drop attention_backend from the speculative config (the draft keeps vLLM's own cache)"
+        )
     tiers = cache_plan(s).tiers
     logger.info(
         "OSCAR: scheme=%s, rotation=%s (%s), tiers %s, sink=%d, window=%d, %d B/token/head, "
