@@ -26,7 +26,19 @@
 #   state-oscar  OSCAR's Triton kernels on the hybrid's attention layers with the pool, against its reference
 #          ops and under graphs, scripts/cuda_state_check.py (~5 min; not by default);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
-#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min).
+#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min);
+#   prefix the multi-turn chat job at 32 conversations x 6 turns over a 16K-token document: OSCAR with and
+#          without prefix caching and TRITON_ATTN with it, all at gpu_memory_utilization 0.15,
+#          benchmarks/prefix_chat.py (~9 min: each engine submits no turn after 70 s and aborts what still runs
+#          30 s later; not by default);
+#   spec   decode tokens/s with and without ngram speculation, OSCAR (its Triton kernels verify the 1 + k
+#          tokens a request in the decode kernel) and TRITON_ATTN, benchmarks/prefix_chat.py (~6 min; not by default);
+#   eagle  the same with an EAGLE-3 head of random weights (nearly nothing accepted: the cost of drafting),
+#          benchmarks/prefix_chat.py (~4 min; not by default);
+#   spec-graphs  the spec job with full CUDA graphs for uniform decode batches (~8 min; not by default).
+# The prefix, spec, eagle and spec-graphs steps add their engines to one JSON kept on the machine
+# ($PREFIX_JSON) and copy it to $OUT/prefix_chat.json; bring each copy back and run
+#   python benchmarks/prefix_chat.py merge FILE... --doc docs/prefix_caching.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh 0.32.0  # the version explicitly: a bare source passes on this script's arguments
@@ -34,6 +46,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_ou
 mkdir -p "$OUT"
 steps=" ${*:-tests statetests bench check graphs e2e state fp8 calib} "
 KEEP=/tmp/kvq_state_keep  # the state check's finished engines, for the next call on this machine
+PREFIX_JSON=/tmp/kvq_prefix_chat.json  # the prefix/spec/eagle steps' figures, for the next call on this machine
 # inputs the steps read from the working tree: stop before any engine starts if one is missing
 need() { [[ -e $2 ]] || { echo "step $1 needs $2 ($3)"; exit 2; }; }
 for s in check graphs calib; do
@@ -110,4 +123,22 @@ if [[ $steps == *" calib "* ]]; then
   timeout 420 python3 benchmarks/calibration_time.py --random-shape qwen3-8b --device cuda --dtype bfloat16 \
     --tokenizer $carry --data $carry/code-dev.txt.gz --json "$OUT/calibration-time-gpu.json" 2>&1 | tail -3
   echo "calib rc=$?"
+fi
+prefix_chat() {  # one prefix_chat.py job: step name, step time limit, then the job's arguments
+  local step=$1 limit=$2; shift 2
+  timeout "$limit" python3 benchmarks/prefix_chat.py --json "$PREFIX_JSON" "$@" 2>&1 | grep -v "INFO\|WARNING" \
+    | tail -40; echo "$step rc=${PIPESTATUS[0]}"
+  [ -f "$PREFIX_JSON" ] && cp "$PREFIX_JSON" "$OUT/prefix_chat.json"
+}
+if [[ $steps == *" prefix "* ]]; then
+  prefix_chat prefix 560 --jobs chat --budget-s 70 --timeout-s 180
+fi
+if [[ $steps == *" spec "* ]]; then
+  prefix_chat spec 560 --jobs spec --timeout-s 135
+fi
+if [[ $steps == *" eagle "* ]]; then
+  prefix_chat eagle 560 --jobs eagle --timeout-s 250
+fi
+if [[ $steps == *" spec-graphs "* ]]; then
+  prefix_chat spec-graphs 560 --jobs spec --cuda-graphs --label h200-graphs --timeout-s 135
 fi

@@ -64,10 +64,12 @@ def cache_plan(settings: OscarSettings) -> CachePlan:
 
 def page_format(head_size: int, block_size: int, settings: OscarSettings, layer: int | None = None) -> PagedFormat:
     """The page format of a layer (None: any layer; every layer has the same
-    bytes per token)."""
+    bytes per token). With speculative decoding the window ring gets a spare
+    slot per draft token."""
     plan = cache_plan(settings)
-    return SCHEMES[settings.scheme].page_format(head_size, block_size, plan.sink, plan.window,
-                                                plan.layer_tiers(layer), settings)
+    fmt = SCHEMES[settings.scheme].page_format(head_size, block_size, plan.sink, plan.window,
+                                               plan.layer_tiers(layer), settings)
+    return dataclasses.replace(fmt, ring_slack=settings.speculative_tokens) if settings.speculative_tokens else fmt
 
 
 def resolve_artifact(settings: OscarSettings, hf_config) -> OscarArtifact:

@@ -47,6 +47,7 @@ class OscarSettings:
     state: str | None = None  # STATE_POOLS; None keeps vLLM's own GDN states
     state_artifact: str | None = None
     state_bits: int = 6
+    speculative_tokens: int = 0  # not a kvq key: vLLM's draft tokens per step (the ring's spare slots)
 
     @property
     def rotation_mode(self) -> str:
@@ -60,7 +61,7 @@ class OscarSettings:
         for key, why in RETIRED.items():
             if key in raw:
                 raise SettingsError(f"kvq.{key} is no longer a setting: {why}; drop it")
-        known = {f.name for f in dataclasses.fields(cls)}
+        known = {f.name for f in dataclasses.fields(cls)} - {"speculative_tokens"}
         if unknown := sorted(set(raw) - known):
             raise SettingsError(f"unknown key(s) {unknown} in additional_config['{CONFIG_KEY}']; valid keys are "
                                 f"{sorted(known)}")
@@ -117,7 +118,10 @@ _cached: OscarSettings | None = None
 def from_vllm_config(vllm_config) -> OscarSettings:
     """Parse (and cache for this process) the settings of a VllmConfig."""
     global _cached
-    _cached = OscarSettings.from_dict((getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY))
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drafts = (getattr(speculative, "num_speculative_tokens", None) or 0) if speculative is not None else 0
+    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+    _cached = dataclasses.replace(OscarSettings.from_dict(raw), speculative_tokens=drafts)
     return _cached
 
 
