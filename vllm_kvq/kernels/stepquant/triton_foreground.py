@@ -1,0 +1,124 @@
+"""The split step's foreground: what a GDN layer waits for.
+
+Twin of :func:`reference.foreground`. One program per (``TILE`` value
+columns, value head, request), all K key rows, the FP32 update's own tiling:
+it unpacks its columns of the record and rebuilds ``S = exp(g) X̂`` in
+registers, applies the delta rule column by column (``δ_j = β (v_j - Σ_i S_ij
+k_i)``, ``X = S + k δᵀ``) and writes the readout ``Xᵀq`` of the unquantized
+X. The record is only read. What the writeback needs is written beside it, a
+few floats per column and row: δ, the rows' partial sums of |X| over each
+``PART`` columns (their max for the rowwise fit), and, since the step's own
+inputs are temporaries the writeback must not race, the request's slot, key
+and decay.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vllm_kvq.kernels.stepquant.triton_codes import head_record, rebuild, signed, unpack
+
+
+@triton.jit
+def _store_parts(ax, at, NP: tl.constexpr, PART: tl.constexpr, K: tl.constexpr, ROWWISE: tl.constexpr):
+    """Row partials of ``ax [4, TQ, K]`` (|X| of a tile, or its running sum
+    or max) over each PART columns, ``[NP, K]`` at ``at``: reduced first
+    within a thread (the 4 columns of a quad), then across threads."""
+    part = tl.reshape(ax, (4, NP, PART // 4, K))
+    if ROWWISE:
+        part = tl.max(tl.max(part, axis=0), axis=1)
+    else:
+        part = tl.sum(tl.sum(part, axis=0), axis=1)
+    tl.store(at + tl.arange(0, NP)[:, None] * K + tl.arange(0, K)[None, :], part)
+
+
+@triton.jit
+def foreground_kernel(
+    pool, pool16, idx_ptr, s_idx, slot_stride, min_slot,
+    heads_ptr, codes_ptr, rows_ptr, cols_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+    slots_ptr, delta_ptr, part_ptr, keys_ptr, decay_ptr,
+    sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh, H, QK_GROUP,
+    BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
+    PART: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, ROWWISE: tl.constexpr,
+):
+    """Program (p, j, n): ``TILES`` tiles of ``TILE`` value columns, from
+    column ``p * TILES * TILE``, of head ``heads[j]`` of request n."""
+    p = tl.program_id(0)
+    j = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    TQ: tl.constexpr = TILE // 4
+    NP: tl.constexpr = TILE // PART
+    PG: tl.constexpr = V // PART
+    h = tl.load(heads_ptr + j)
+    scratch = n * H + h
+    slot, rec, rec16 = head_record(pool, pool16, idx_ptr, s_idx, n, slot_stride, ALIGN)
+    if (p == 0) & (j == 0):
+        tl.store(slots_ptr + n, slot.to(tl.int32))
+    if slot < min_slot:
+        for tt in range(TILES):
+            col2 = (p * TILES + tt) * TILE + 4 * tl.arange(0, TQ)[None, :] + tl.arange(0, 4)[:, None]
+            tl.store(out_ptr + scratch * V + col2, tl.zeros((4, TQ), tl.float32))
+    else:
+        a3 = tl.arange(0, 4)[:, None, None]
+        i3 = tl.arange(0, K)[None, None, :]  # tiles [4, TQ, K]: key rows last (each thread holds several)
+        kh = h // QK_GROUP
+        k3 = tl.load(k_ptr + n * skn + kh * skh + i3).to(tl.float32)
+        q3 = tl.load(q_ptr + n * sqn + kh * sqh + i3).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + n * sgn + h * sgh).to(tl.float32))
+        beta = tl.load(beta_ptr + n * sbn + h * sbh).to(tl.float32)
+        co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
+        ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
+        cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2
+        if BITS != 16 and BITS != 2:
+            r = tl.load(rec16 + ro // 2 + i3).to(tl.float32)
+            dk = (decay * r) * k3
+            dq = (decay * r) * q3
+        kq = tl.sum(k3 * q3, axis=2)
+        ACC: tl.constexpr = PART == TILE * TILES and TILES > 1  # one partial a row: summed across tiles
+        acc = tl.zeros((4, TQ, K), tl.float32)
+        for tt in range(TILES):
+            t = p * TILES + tt
+            quads = t * TQ + tl.arange(0, TQ)
+            col2 = 4 * quads[None, :] + tl.arange(0, 4)[:, None]  # [4, TQ] column index
+            b3 = quads[None, :, None]
+            if BITS == 16:
+                s = decay * unpack(rec + co, a3, i3, b3, BITS, V).to(tl.float32)
+                sk = tl.sum(s * k3, axis=2)
+                sq = tl.sum(s * q3, axis=2)
+            else:
+                if BITS == 2:  # one row factor per 32 columns
+                    if TILE <= 32:  # the tile lies in one group
+                        r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + (t * TILE) // 32).to(tl.float32)
+                    else:
+                        r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + b3 // 8).to(tl.float32)
+                    dk = (decay * r) * k3
+                    dq = (decay * r) * q3
+                c = tl.load(cp + col2).to(tl.float32)
+                z = signed(unpack(rec + co, a3, i3, b3, BITS, V), BITS)
+                if FAST:  # Sᵀk = c Σ_i z (exp(g) r k): one FMA an element per sum
+                    sk = c * tl.sum(z * dk, axis=2)
+                    sq = c * tl.sum(z * dq, axis=2)
+                    s = z * ((decay * r) * c[:, :, None])
+                else:
+                    s = rebuild(z, r, c[:, :, None], decay, FAST)
+                    sk = tl.sum(s * k3, axis=2)
+                    sq = tl.sum(s * q3, axis=2)
+            delta = beta * (tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32) - sk)
+            x = s + k3 * delta[:, :, None]
+            if FAST:  # Xᵀq = Sᵀq + (k·q) δ
+                tl.store(out_ptr + scratch * V + col2, sq + kq * delta)
+            else:
+                tl.store(out_ptr + scratch * V + col2, tl.sum(x * q3, axis=2))
+            tl.store(delta_ptr + scratch * V + col2, delta)
+            if ACC:
+                acc = tl.maximum(acc, tl.abs(x)) if ROWWISE else acc + tl.abs(x)
+            else:
+                _store_parts(tl.abs(x), part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
+        if ACC:
+            _store_parts(acc, part_ptr + (scratch * PG + p) * K, 1, TILE, K, ROWWISE)
+        if p == 0:
+            tl.store(decay_ptr + scratch, decay)
+            if h % QK_GROUP == 0:
+                tl.store(keys_ptr + (n * (H // QK_GROUP) + kh) * K + i3, k3)
