@@ -41,7 +41,7 @@ SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 POINTERS = {
     "pool": "*u8", "pool16": "*fp16", "idx_ptr": "*i32", "heads_ptr": "*i32", "codes_ptr": "*i32",
     "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
-    "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
+    "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
     "part_ptr": "*fp32", "keys_ptr": "*fp32", "decay_ptr": "*fp32", "slots_ptr": "*i32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
     "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*bf16", "k_out_ptr": "*bf16",
     "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32", "kfill": "*fp32", "vfill": "*fp32",
@@ -89,9 +89,11 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     lc = triton_step.LAUNCH
     jobs = []
     for b in bits:
-        common = dict(BITS=b, K=128, V=128, PART=32 if b == 2 else lc["fg_tile"], FAST=True, ALIGN=4, ROWWISE=False)
+        common = dict(BITS=b, K=128, V=128, PART=32 if b == 2 else triton_step.fg_span(), FAST=True, ALIGN=4,
+                      ROWWISE=False)
         jobs.append((f"stepquant foreground, {b}-bit", triton_foreground.foreground_kernel,
-                     dict(common, TILE=lc["fg_tile"]), lc["fg_warps"], lc["fg_tile"] * 128 // (32 * lc["fg_warps"])))
+                     dict(common, TILE=lc["fg_tile"], TILES=lc["fg_tiles"], ASM=True, RAW=True),
+                     lc["fg_warps"], lc["fg_tile"] * 128 // (32 * lc["fg_warps"])))
         jobs.append((f"stepquant writeback, {b}-bit", triton_writeback.writeback_kernel,
                      dict(common, TILE=lc["wb_tile"], ASM=True), lc["wb_warps"],
                      lc["wb_tile"] * 128 // (32 * lc["wb_warps"])))

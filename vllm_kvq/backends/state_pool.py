@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vllm_kvq.backends import settings as kvq_settings
 from vllm_kvq.backends.resolve import pool_plan
@@ -150,30 +149,29 @@ def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log
     ``records [slots, size]`` uint8, any slot stride (vLLM's state view);
     ``slots [N]`` the requests' slot indices (below 1: padding, output zero,
     nothing touched); ``mixed_qkv [N, 2 H_k K + H V]`` after the conv; ``a,
-    b [N, H]``; ``out [N, H, V]`` contiguous (the layer's output). The inputs
-    are prepared as vLLM's decode kernels do it for an FP32 state (q and k
-    L2-normalised, q scaled by K^-1/2, ``g = -exp(A_log) softplus(a +
-    dt_bias)``, ``beta = sigmoid(b)``, all in fp32). The foreground writes
-    the readout of the unquantized new state into ``out`` on the current
-    stream; the writeback packs the state back with the plan's fit on the
-    writeback stream (on CPU, right after).
+    b [N, H]``; ``out [N, H, V]`` contiguous (the layer's output). The
+    foreground prepares the inputs as vLLM's decode kernel does for an FP32
+    state (q and k L2-normalised, q scaled by K^-1/2, ``g = -exp(A_log)
+    softplus(a + dt_bias)``, ``beta = sigmoid(b)``, in fp32) and writes the
+    readout of the unquantized new state into ``out`` on the current stream;
+    the writeback packs the state back with the plan's fit on the writeback
+    stream (on CPU, right after).
     """
     from vllm_kvq.kernels.stepquant.triton_step import foreground_, writeback_  # Triton: only where it runs
 
     lay = decoder.plan.layout
     n, kd, vd, hv = mixed_qkv.shape[0], lay.k_dim, lay.v_dim, len(lay.bits)
-    qk_dim = 2 * num_k_heads * kd
-    if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != qk_dim + hv * vd:
-        raise ValueError(f"mixed_qkv must be [N, {qk_dim + hv * vd}] ({num_k_heads} key heads of {kd}, {hv} value "
-                         f"heads of {vd}), got {tuple(mixed_qkv.shape)}")
-    qk = mixed_qkv[:, :qk_dim].float().reshape(n, 2 * num_k_heads, kd)
-    q, k = codec.normalize_qk(qk[:, :num_k_heads], qk[:, num_k_heads:])
-    v = mixed_qkv[:, qk_dim:].reshape(n, hv, vd)
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b.float())
+    qk_dim = num_k_heads * kd
+    if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != 2 * qk_dim + hv * vd or mixed_qkv.stride(1) != 1:
+        raise ValueError(f"mixed_qkv must be [N, {2 * qk_dim + hv * vd}] ({num_k_heads} key heads of {kd}, {hv} "
+                         f"value heads of {vd}) with unit column stride, got {tuple(mixed_qkv.shape)}")
+    q, k, v = (mixed_qkv[:, lo:hi].unflatten(1, (-1, d))
+               for lo, hi, d in ((0, qk_dim, kd), (qk_dim, 2 * qk_dim, kd), (2 * qk_dim, None, vd)))
     scratch = decoder.scratch_for(n)
+    args = (records, slots, decoder.plan, scratch, q, k, v, a, b)
+    kw = dict(out=out, fast=fast, raw_gates=(A_log, dt_bias))
     if not decoder.cuda:
-        foreground_(records, slots, decoder.plan, scratch, q, k, v, g, beta, out=out, fast=fast)
+        foreground_(*args, **kw)
         writeback_(records, decoder.plan, scratch, n, fast=fast)
         return
     main = torch.cuda.current_stream()
@@ -182,7 +180,7 @@ def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log
     else:
         started, done = decoder.foreground_done, decoder.writeback_done
         main.wait_event(done)  # the layer's last writeback: a no-op once the last forward joined it
-    foreground_(records, slots, decoder.plan, scratch, q, k, v, g, beta, out=out, fast=fast)
+    foreground_(*args, **kw)
     started.record(main)
     decoder.stream.wait_event(started)
     with torch.cuda.stream(decoder.stream):

@@ -89,7 +89,8 @@ def unpack(base, a3, i3, b3, BITS: tl.constexpr, V: tl.constexpr):
         word = tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8) | (tl.load(at + 2).to(tl.int32) << 16)
         u = (word >> (6 * a3)) & 63
     elif BITS == 4:  # the little-endian 16-bit word at byte 2 b, low nibble first
-        u = (tl.load(base.to(tl.pointer_type(tl.uint16)) + i3 * (V // 4) + b3).to(tl.int32) >> (4 * a3)) & 15
+        at = base + i3 * (V // 2) + 2 * b3
+        u = ((tl.load(at).to(tl.int32) | (tl.load(at + 1).to(tl.int32) << 8)) >> (4 * a3)) & 15
     else:  # byte b, bits 0-1 first
         u = (tl.load(base + i3 * (V // 4) + b3).to(tl.int32) >> (2 * a3)) & 3
     return u
@@ -107,7 +108,9 @@ def pack_store(u, base, i3, b3, V: tl.constexpr, BITS: tl.constexpr):
     else:
         word = tl.sum(u << (BITS * a3), axis=0, keep_dims=True)  # [1, X, Y]; disjoint bits: sum == or
         if BITS == 4:
-            tl.store(base.to(tl.pointer_type(tl.uint16)) + i3 * (V // 4) + b3, word.to(tl.uint16))
+            at = base + i3 * (V // 2) + 2 * b3
+            tl.store(at, (word & 255).to(tl.uint8))
+            tl.store(at + 1, (word >> 8).to(tl.uint8))
         elif BITS == 6:
             at = base + i3 * (3 * V // 4) + 3 * b3
             tl.store(at, (word & 255).to(tl.uint8))

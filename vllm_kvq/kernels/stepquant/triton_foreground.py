@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_kvq.kernels.stepquant.triton_codes import head_record, rebuild, signed, unpack
+from vllm_kvq.kernels.stepquant.triton_codes import head_record, rcp, rebuild, signed, unpack
 
 
 @triton.jit
@@ -37,14 +37,17 @@ def _store_parts(ax, at, NP: tl.constexpr, PART: tl.constexpr, K: tl.constexpr, 
 def foreground_kernel(
     pool, pool16, idx_ptr, s_idx, slot_stride, min_slot,
     heads_ptr, codes_ptr, rows_ptr, cols_ptr,
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, out_ptr,
     slots_ptr, delta_ptr, part_ptr, keys_ptr, decay_ptr,
     sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh, H, QK_GROUP,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
-    PART: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, ROWWISE: tl.constexpr,
+    PART: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, ROWWISE: tl.constexpr, ASM: tl.constexpr,
+    RAW: tl.constexpr,
 ):
     """Program (p, j, n): ``TILES`` tiles of ``TILE`` value columns, from
-    column ``p * TILES * TILE``, of head ``heads[j]`` of request n."""
+    column ``p * TILES * TILE``, of head ``heads[j]`` of request n. With RAW,
+    q, k are vLLM's post-conv rows and g, beta its gate inputs a, b: they are
+    normalised and gated here as vLLM's decode kernel does it."""
     p = tl.program_id(0)
     j = tl.program_id(1)
     n = tl.program_id(2).to(tl.int64)
@@ -66,16 +69,26 @@ def foreground_kernel(
         kh = h // QK_GROUP
         k3 = tl.load(k_ptr + n * skn + kh * skh + i3).to(tl.float32)
         q3 = tl.load(q_ptr + n * sqn + kh * sqh + i3).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + n * sgn + h * sgh).to(tl.float32))
+        g = tl.load(g_ptr + n * sgn + h * sgh).to(tl.float32)
         beta = tl.load(beta_ptr + n * sbn + h * sbh).to(tl.float32)
+        if RAW:  # L2-normed q and k (q times K^-1/2), g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
+            k3 = k3 / tl.sqrt(tl.sum(k3 * k3, axis=2, keep_dims=True) + 1e-6)
+            q3 = q3 / tl.sqrt(tl.sum(q3 * q3, axis=2, keep_dims=True) + 1e-6) * (1.0 / tl.sqrt(K * 1.0))
+            g = g + tl.load(dtb_ptr + h).to(tl.float32)
+            g = -tl.exp(tl.load(alog_ptr + h).to(tl.float32)) * tl.where(g > 20.0, g, tl.log(1.0 + tl.exp(g)))
+            beta = tl.sigmoid(beta)
+        decay = tl.exp(g)
+        kq = tl.sum(k3 * q3, axis=2)
         co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
         ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
         cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2
-        if BITS != 16 and BITS != 2:
-            r = tl.load(rec16 + ro // 2 + i3).to(tl.float32)
-            dk = (decay * r) * k3
-            dq = (decay * r) * q3
-        kq = tl.sum(k3 * q3, axis=2)
+        if BITS == 16:  # a pivot: z its fp16 values, r = c = 1
+            r = tl.full((1, 1, K), 1.0, tl.float32)
+        else:
+            r = tl.load(rec16 + ro // 2 + i3 * (V // 32 if BITS == 2 else 1)).to(tl.float32)
+        # the fast form's row scale exp(g) r, floored at 2^-40 (a fresh record's r is 0), and k over it
+        d_fl = tl.maximum(decay * r, 9.094947017729282e-13) if FAST else tl.full((1, 1, K), 1.0, tl.float32)
+        k_fl = k3 * rcp(d_fl, ASM)
         ACC: tl.constexpr = PART == TILE * TILES and TILES > 1  # one partial a row: summed across tiles
         acc = tl.zeros((4, TQ, K), tl.float32)
         for tt in range(TILES):
@@ -83,41 +96,43 @@ def foreground_kernel(
             quads = t * TQ + tl.arange(0, TQ)
             col2 = 4 * quads[None, :] + tl.arange(0, 4)[:, None]  # [4, TQ] column index
             b3 = quads[None, :, None]
-            if BITS == 16:
-                s = decay * unpack(rec + co, a3, i3, b3, BITS, V).to(tl.float32)
-                sk = tl.sum(s * k3, axis=2)
-                sq = tl.sum(s * q3, axis=2)
-            else:
-                if BITS == 2:  # one row factor per 32 columns
-                    if TILE <= 32:  # the tile lies in one group
-                        r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + (t * TILE) // 32).to(tl.float32)
-                    else:
-                        r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + b3 // 8).to(tl.float32)
-                    dk = (decay * r) * k3
-                    dq = (decay * r) * q3
-                c = tl.load(cp + col2).to(tl.float32)
-                z = signed(unpack(rec + co, a3, i3, b3, BITS, V), BITS)
-                if FAST:  # Sᵀk = c Σ_i z (exp(g) r k): one FMA an element per sum
-                    sk = c * tl.sum(z * dk, axis=2)
-                    sq = c * tl.sum(z * dq, axis=2)
-                    s = z * ((decay * r) * c[:, :, None])
+            if BITS == 2:  # one row factor per 32 columns
+                if TILE <= 32:  # the tile lies in one group
+                    r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + (t * TILE) // 32).to(tl.float32)
                 else:
-                    s = rebuild(z, r, c[:, :, None], decay, FAST)
-                    sk = tl.sum(s * k3, axis=2)
-                    sq = tl.sum(s * q3, axis=2)
-            delta = beta * (tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32) - sk)
-            x = s + k3 * delta[:, :, None]
-            if FAST:  # Xᵀq = Sᵀq + (k·q) δ
-                tl.store(out_ptr + scratch * V + col2, sq + kq * delta)
+                    r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + b3 // 8).to(tl.float32)
+                if FAST:
+                    d_fl = tl.maximum(decay * r, 9.094947017729282e-13)
+                    k_fl = k3 * rcp(d_fl, ASM)
+            if BITS == 16:
+                z = unpack(rec + co, a3, i3, b3, BITS, V).to(tl.float32)
+                c = tl.full((4, TQ), 1.0, tl.float32)
             else:
+                z = signed(unpack(rec + co, a3, i3, b3, BITS, V), BITS)
+                c = tl.load(cp + col2).to(tl.float32)
+            vv = tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32)
+            if FAST:
+                # S = dr c z with dr = exp(g) r: Sᵀk = c Σ_i z (dr k), one FMA an element per sum; Xᵀq = Sᵀq + (k·q) δ
+                dr = decay * r
+                delta = beta * (vv - c * tl.sum(z * (dr * k3), axis=2))
+                tl.store(out_ptr + scratch * V + col2, c * tl.sum(z * (dr * q3), axis=2) + kq * delta)
+                # |X| = dr c |z + (k / dr)(δ / c)|: two FMAs an element, dr applied to the row sums; dr and
+                # c floored at 2^-40 (a fresh record's are 0), which moves X by at most 2^-80 |z|
+                c_fl = tl.maximum(c, 9.094947017729282e-13)
+                ax = tl.abs(z + k_fl * (delta * rcp(c_fl, ASM))[:, :, None]) * c_fl[:, :, None]
+            else:  # the reference's operations
+                s = rebuild(z, r, c[:, :, None], decay, False)
+                delta = beta * (vv - tl.sum(s * k3, axis=2))
+                x = s + k3 * delta[:, :, None]
                 tl.store(out_ptr + scratch * V + col2, tl.sum(x * q3, axis=2))
+                ax = tl.abs(x)
             tl.store(delta_ptr + scratch * V + col2, delta)
             if ACC:
-                acc = tl.maximum(acc, tl.abs(x)) if ROWWISE else acc + tl.abs(x)
+                acc = tl.maximum(acc, ax) if ROWWISE else acc + ax
             else:
-                _store_parts(tl.abs(x), part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
+                _store_parts(ax * d_fl, part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
         if ACC:
-            _store_parts(acc, part_ptr + (scratch * PG + p) * K, 1, TILE, K, ROWWISE)
+            _store_parts(acc * d_fl, part_ptr + (scratch * PG + p) * K, 1, TILE, K, ROWWISE)
         if p == 0:
             tl.store(decay_ptr + scratch, decay)
             if h % QK_GROUP == 0:

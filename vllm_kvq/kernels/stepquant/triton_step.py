@@ -155,6 +155,11 @@ def _check(pool: torch.Tensor, state_indices: torch.Tensor, plan: StepPlan, n: i
                          f"{tuple(state_indices.shape)} {state_indices.dtype}")
 
 
+def _asm(pool: torch.Tensor) -> bool:
+    """Inline PTX (hardware reciprocals) where the kernels are compiled for a GPU."""
+    return pool.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def _head(pool: torch.Tensor) -> tuple:
     return pool, pool.view(torch.float16), pool.stride(0), 4 if pool.stride(0) % 4 == 0 else 2
 
@@ -173,6 +178,7 @@ def foreground_(
     min_slot: int = 1,
     fast: bool = True,
     launch: dict | None = None,
+    raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """The readout of one decode token per request from the packed pool
     ``[slots, size]`` (only read), and the writeback's inputs into ``scratch``.
@@ -185,7 +191,10 @@ def foreground_(
     V]`` fp32, or writes the given contiguous ``out`` (fp32, bf16 or fp16).
     ``launch``: ``fg_tile`` (value columns a tile), ``fg_tiles`` (tiles a
     program) and ``fg_warps``, default ``LAUNCH``; the scratch's ``part``
-    must be the program's columns or divide a tile.
+    must be the program's columns or divide a tile. ``raw_gates = (A_log,
+    dt_bias)``: q, k are vLLM's raw post-conv q and k and g, beta its gate
+    inputs a and b, normalised and gated in the kernel as vLLM's decode
+    kernel does (no preparation launches).
     """
     lay = plan.layout
     n, h = v.shape[0], len(lay.bits)
@@ -213,15 +222,16 @@ def foreground_(
         return out
     pool, pool16, stride, align = _head(pool)
     s = scratch
+    a_log, dt_bias = raw_gates if raw_gates is not None else (g, g)  # unused without raw gates
     for grp in plan.groups:
         foreground_kernel[(vd // (tile * tiles), grp.heads.numel(), n)](
             pool, pool16, state_indices, state_indices.stride(0), stride, min_slot,
-            grp.heads, grp.codes, grp.rows, grp.cols, q, k, v, g, beta, out,
+            grp.heads, grp.codes, grp.rows, grp.cols, q, k, v, g, beta, a_log, dt_bias, out,
             s.slots, s.delta, s.parts, s.keys, s.decay,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1],
             BITS=grp.bits, K=kd, V=vd, TILE=tile, TILES=tiles, PART=s.part, FAST=fast, ALIGN=align,
-            ROWWISE=plan.rowwise, num_warps=lc["fg_warps"])
+            ROWWISE=plan.rowwise, ASM=_asm(pool), RAW=raw_gates is not None, num_warps=lc["fg_warps"])
     return out
 
 
@@ -238,13 +248,12 @@ def writeback_(pool: torch.Tensor, plan: StepPlan, scratch: StepScratch, n: int,
     tile = min(lc["wb_tile"], INT2_GROUP, vd)
     pool, pool16, stride, align = _head(pool)
     s = scratch
-    asm = pool.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
     for grp in plan.groups:
         writeback_kernel[(grp.heads.numel(), n)](
             pool, pool16, s.slots, stride, min_slot, grp.heads, grp.codes, grp.rows, grp.cols, plan.impact,
             s.delta, s.parts, s.keys, s.decay, h, h // s.key_heads,
             BITS=grp.bits, K=kd, V=vd, TILE=tile, PART=s.part, FAST=fast, ALIGN=align, ROWWISE=plan.rowwise,
-            ASM=asm, num_warps=lc["wb_warps"])
+            ASM=_asm(pool), num_warps=lc["wb_warps"])
 
 
 def step_(pool, state_indices, plan: StepPlan, q, k, v, g, beta, out=None, min_slot: int = 1, fast: bool = True,
