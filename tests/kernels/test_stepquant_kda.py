@@ -117,3 +117,72 @@ def test_step_is_kdas_recurrence():
             one = kda.KdaLayout((lay.bits[hd],), kd, vd)
             want = kda.decode(kda.encode(x.float()[None, None], one, w[hd : hd + 1]), one)[0, 0]
             assert torch.allclose(kda.decode(new, lay)[i, hd], want, rtol=1e-4, atol=1e-6)
+
+
+def _raw(n, h, kd, vd, seed):
+    g = torch.Generator().manual_seed(seed)
+    mixed = (torch.randn(n, 2 * h * kd + h * vd, generator=g) * 0.7).bfloat16()
+    raw_g = torch.randn(n, h, kd, generator=g).bfloat16()
+    raw_beta = torch.randn(n, h, generator=g).bfloat16()
+    return mixed, raw_g, raw_beta, torch.randn(h, generator=g) * 0.5, torch.randn(h * kd, generator=g) * 0.5
+
+
+def _prepared(mixed, raw_g, raw_beta, a_log, dt_bias, h, kd, lower_bound):
+    """q, k, v, g, beta as vLLM's KDA decode kernel forms them."""
+    n = mixed.shape[0]
+    x = mixed.float()
+    q, k = x[:, : h * kd].view(n, h, kd), x[:, h * kd : 2 * h * kd].view(n, h, kd)
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * kd**-0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    t = raw_g.float() + dt_bias.view(h, kd)
+    a = torch.exp(a_log).view(1, h, 1)
+    g = lower_bound * torch.sigmoid(a * t) if lower_bound is not None else -a * torch.nn.functional.softplus(t)
+    return q, k, x[:, 2 * h * kd :].view(n, h, -1), g, torch.sigmoid(raw_beta.float())
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0])
+def test_triton_step_matches_the_reference(lower_bound):
+    """The Triton foreground + writeback on vLLM's raw KDA inputs, in a pool
+    with a padding row, against ``kda.step``: the same readout, the same
+    records up to rounding-boundary flips (each at most one step of its row)."""
+    pytest.importorskip("triton")
+    from vllm_kvq.kernels.stepquant.triton_kda import KdaPlan, kda_step_
+
+    h, kd, vd = 2, 32, 32
+    widths = (WIDTHS + WIDTHS[::-1], WIDTHS[::-1] + WIDTHS)
+    lay = kda.KdaLayout(widths, kd, vd)
+    w = _impact(h, kd, seed=2)
+    slots = [3, -1, 1]
+    live = [0, 2]
+    rec = kda.encode(_states(3, h, kd, vd, seed=6), lay, w)
+    pool = torch.randint(0, 256, (5, lay.size), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    for i, s in enumerate(slots):
+        if s > 0:
+            pool[s] = rec[i]
+    before = pool.clone()
+    raw = _raw(3, h, kd, vd, seed=7)
+    out = torch.zeros(3, h, vd, device=DEV)
+    pool_dev = pool.to(DEV)
+    kda_step_(pool_dev, torch.tensor(slots, dtype=torch.int32, device=DEV), KdaPlan(lay, w, DEV),
+              *[t.to(DEV) for t in raw], out, lower_bound=lower_bound)
+    q, k, v, g, beta = (t[live] for t in _prepared(*raw, h, kd, lower_bound))
+    o_want, r_want = kda.step(rec[live], lay, w, q, k, v, g, beta)
+    after = pool_dev.cpu()
+    assert (out.cpu()[live] - o_want).abs().max() <= 1e-5 * o_want.abs().max()
+    assert out[1].abs().max() == 0
+    for s in (0, 2, 4):
+        assert torch.equal(after[s], before[s])
+    d_want, d_got = kda.decode(r_want, lay), kda.decode(after[[3, 1]], lay)
+    rows, scales, cols, _ = lay.tables
+    for hd in range(h):
+        r = torch.maximum(*(x[:, scales[hd] : scales[hd] + 2 * kd].contiguous().view(torch.float16).float()
+                            for x in (r_want, after[[3, 1]])))
+        c = torch.maximum(*(x[:, cols[hd] : cols[hd] + 2 * vd].contiguous().view(torch.float16).float()
+                            for x in (r_want, after[[3, 1]])))
+        unit = torch.tensor([2.0 ** (8 - b) if b != 16 else 0.0 for b in widths[hd]]).view(1, kd, 1)
+        step = r.view(2, kd, 1) * c.view(2, 1, vd) * unit
+        ulp = (d_want[:, hd].abs() * 2**-10).clamp_min(2**-24)  # pivot rows: one fp16 ulp
+        bound = torch.where(unit > 0, step + d_want[:, hd].abs() * 2**-9, ulp)
+        assert bool(((d_got[:, hd] - d_want[:, hd]).abs() <= bound + 1e-30).all())
+    # one row factor or column scale an fp16 ulp apart moves its whole row or column (1.6% of a 32 x 32 head)
+    assert (d_got != d_want).float().mean() <= 0.02
