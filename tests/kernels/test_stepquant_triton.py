@@ -400,7 +400,12 @@ def test_foreground_matches_its_twin(fit):
     scale = o_want.abs().max().item()
     assert (out.cpu() - o_want).abs().max().item() <= 1e-5 * scale
     assert torch.allclose(scratch.delta.cpu(), d_want, rtol=1e-5, atol=1e-5 * d_want.abs().max().item())
-    assert torch.allclose(scratch.parts.cpu(), p_want, rtol=1e-5, atol=1e-6)
+    # INT2 heads keep a row's sums per 32 columns; the others only their total counts (one program's sum)
+    got_parts = scratch.parts.cpu()
+    int2 = [i for i, b in enumerate(bits) if b == 2]
+    rest = [i for i, b in enumerate(bits) if b != 2]
+    assert torch.allclose(got_parts[:, int2], p_want[:, int2], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got_parts[:, rest].sum(2), p_want[:, rest].sum(2), rtol=1e-5, atol=1e-6)
     assert torch.equal(scratch.slots.cpu(), sel.int())
     assert torch.equal(scratch.keys.cpu(), k) and torch.allclose(scratch.decay.cpu(), torch.exp(g), rtol=1e-6)
 

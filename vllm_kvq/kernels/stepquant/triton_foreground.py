@@ -6,10 +6,11 @@ it unpacks its columns of the record and rebuilds ``S = exp(g) X̂`` in
 registers, applies the delta rule column by column (``δ_j = β (v_j - Σ_i S_ij
 k_i)``, ``X = S + k δᵀ``) and writes the readout ``Xᵀq`` of the unquantized
 X. The record is only read. What the writeback needs is written beside it, a
-few floats per column and row: δ, the rows' partial sums of |X| over each
-``PART`` columns (their max for the rowwise fit), and, since the step's own
-inputs are temporaries the writeback must not race, the request's slot, key
-and decay.
+few floats per column and row: δ, the rows' sums of |X| (their max for the
+rowwise fit: per 32 columns for INT2 heads, whose row factors are; one per
+program for the others, in the first of its ``PART``-column slots, the rest
+zeroed), and, since the step's own inputs are temporaries the writeback must
+not race, the request's slot, key and decay.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def foreground_kernel(
         # the fast form's row scale exp(g) r, floored at 2^-40 (a fresh record's r is 0), and k over it
         d_fl = tl.maximum(decay * r, 9.094947017729282e-13) if FAST else tl.full((1, 1, K), 1.0, tl.float32)
         k_fl = k3 * rcp(d_fl, ASM)
-        ACC: tl.constexpr = PART == TILE * TILES and TILES > 1  # one partial a row: summed across tiles
+        # heads other than INT2 sum their rows across the program's tiles in registers and reduce once
+        ACC: tl.constexpr = BITS != 2 and TILES > 1 and (TILE * TILES) % PART == 0
         acc = tl.zeros((4, TQ, K), tl.float32)
         for tt in range(TILES):
             t = p * TILES + tt
@@ -131,8 +133,13 @@ def foreground_kernel(
                 acc = tl.maximum(acc, ax) if ROWWISE else acc + ax
             else:
                 _store_parts(ax * d_fl, part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
-        if ACC:
-            _store_parts(acc * d_fl, part_ptr + (scratch * PG + p) * K, 1, TILE, K, ROWWISE)
+        if ACC:  # into the program's first slot; its others (when the layer keeps sums per 32 columns) zeroed
+            NPP: tl.constexpr = TILE * TILES // PART
+            _store_parts(acc * d_fl, part_ptr + (scratch * PG + p * NPP) * K, 1, TILE, K, ROWWISE)
+            if NPP > 1:
+                slots = tl.arange(0, NPP)[:, None]
+                tl.store(part_ptr + (scratch * PG + p * NPP + slots) * K + tl.arange(0, K)[None, :],
+                         tl.zeros((NPP, K), tl.float32), mask=slots > 0)
         if p == 0:
             tl.store(decay_ptr + scratch, decay)
             if h % QK_GROUP == 0:
