@@ -57,6 +57,20 @@ def time_ms(fn, dev: str) -> float:
     return do_bench(g.replay, warmup=10, rep=60)
 
 
+def vllm_kda_op():
+    """vLLM's KDA decode op, from its module file: importing its package would
+    load the whole Kimi model (and its MoE layers) first."""
+    import importlib.util
+
+    import vllm
+
+    path = Path(vllm.__file__).parent / "models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py"
+    spec = importlib.util.spec_from_file_location("vllm_kda_fused_recurrent", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.fused_recurrent_kda_packed_decode
+
+
 def row_plan(mix: dict, heads: int, k: int, gen: torch.Generator) -> tuple:
     """Widths per head and key row, drawn in the mix's proportions, with the pivot share."""
     widths = torch.tensor([b for b, share in mix.items() for _ in range(share)])
@@ -98,7 +112,7 @@ def main() -> None:
     try:
         if dev != "cuda":
             raise ImportError("vLLM's Triton ops run on CUDA only")
-        from vllm.models.kimi_k3.nvidia.ops.third_party.kda import fused_recurrent_kda_packed_decode
+        fused_recurrent_kda_packed_decode = vllm_kda_op()
     except Exception as e:  # noqa: BLE001 - reported
         res["fp32_error"] = repr(e)[:200]
     else:
