@@ -129,7 +129,8 @@ def main() -> None:
         pool = torch.zeros(n + 1, lay.size, dtype=torch.uint8, device=dev)
         for lo in range(0, n, 64):
             m = min(64, n - lo)
-            x = torch.randn(m, h, kd, kd, generator=gen).to(dev) * (torch.rand(1, h, kd, 1, generator=gen) + 0.1).to(dev)
+            rows = torch.rand(1, h, kd, 1, generator=gen) + 0.1
+            x = (torch.randn(m, h, kd, kd, generator=gen) * rows).to(dev)
             pool[1 + lo : 1 + lo + m] = kda.encode(x, lay, w)
         plan = KdaPlan(lay, w, dev)
         scratch = KdaScratch(lay, n, dev)

@@ -33,7 +33,6 @@ from triton.compiler import ASTSource
 from vllm_kvq.kernels.oscar import triton_decode, triton_store
 from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat
 from vllm_kvq.kernels.stepquant import triton_foreground, triton_step, triton_writeback
-from vllm_kvq.kernels.stepquant.format import StateLayout
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")

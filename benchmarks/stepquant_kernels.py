@@ -364,12 +364,14 @@ def render(res: dict) -> str:
         lines += [
             f"Measured by `python benchmarks/stepquant_kernels.py op` on {res['device']} ({op['date']}, Triton"
             f" {res['triton']}), replayed from CUDA graphs. One decode token per request, batch {op['batch']}, one"
-            f" GDN layer, K = V = {op['k_dim']}. FP32: {'vLLM' if op['fp32_op'] == 'vllm' else 'the Triton twin of vLLM'}'s"
+            f" GDN layer, K = V = {op['k_dim']}. FP32:"
+            f" {'vLLM' if op['fp32_op'] == 'vllm' else 'the Triton twin of vLLM'}'s"
             " decode op on FP32 states (the Triton twin beside it). Foreground: the readout, δ and row partials"
             " (what the layer waits for); writeback: fit and repack; step: both in a row. Speed-ups against FP32.",
             "",
             "| layer | plan (bits/value) | FP32 ms (twin) | foreground ms | **foreground speed-up** | writeback ms |"
-            " step ms (speed-up) | exact-division foreground ms | launch | check: out rel. err, record bytes differing |",
+            " step ms (speed-up) | exact-division foreground ms | launch |"
+            " check: out rel. err, record bytes differing |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, s in op["shapes"].items():
@@ -420,7 +422,7 @@ def main() -> None:
                     f" order; default {RESULTS.relative_to(REPO)})")
     ap.add_argument("--docs", action="store_true", help="write the tables into docs/stepquant.md")
     ap.add_argument("--render-only", action="store_true",
-                    help=f"merge the --json files into {RESULTS.relative_to(REPO)} and render it into docs/stepquant.md")
+                    help=f"merge the --json files into {RESULTS.relative_to(REPO)}, render it into the docs")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop sweeping launch shapes after this long")
     ap.add_argument("--smoke", action="store_true", help="toy shapes on any device: checks the script")
     args = ap.parse_args()

@@ -105,7 +105,8 @@ def test_step_is_kdas_recurrence():
     g = torch.Generator().manual_seed(9)
     q = torch.nn.functional.normalize(torch.randn(n, h, kd, generator=g), dim=-1) * kd**-0.5
     k = torch.nn.functional.normalize(torch.randn(n, h, kd, generator=g), dim=-1)
-    v, gate, beta = torch.randn(n, h, vd, generator=g), -torch.rand(n, h, kd, generator=g), torch.rand(n, h, generator=g)
+    v, gate = torch.randn(n, h, vd, generator=g), -torch.rand(n, h, kd, generator=g)
+    beta = torch.rand(n, h, generator=g)
     out, new = kda.step(rec, lay, w, q, k, v, gate, beta)
     old = kda.decode(rec, lay).double()
     for i in range(n):

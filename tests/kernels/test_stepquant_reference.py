@@ -169,7 +169,8 @@ def _step_inputs(n, h, k, v, seed):
     g = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(n, h, k, generator=g), dim=-1) * k**-0.5
     key = torch.nn.functional.normalize(torch.randn(n, h, k, generator=g), dim=-1)
-    return q, key, torch.randn(n, h, v, generator=g) * 2, -torch.rand(n, h, generator=g) * 0.2, torch.rand(n, h, generator=g)
+    v = torch.randn(n, h, v, generator=g) * 2
+    return q, key, v, -torch.rand(n, h, generator=g) * 0.2, torch.rand(n, h, generator=g)
 
 
 def _fp16_field(rec, start, count):

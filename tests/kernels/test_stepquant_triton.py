@@ -477,9 +477,10 @@ def test_two_streams_and_a_cuda_graph_give_the_synchronous_step():
         pools.append(rec.to(DEV))
     a_log = (torch.randn(hv, generator=gen) * 0.5).to(DEV)
     dt_bias = torch.randn(hv, generator=gen).bfloat16().to(DEV)
-    steps = [((torch.randn(n, 2 * hk * kd + hv * vd, generator=gen) * 0.7).bfloat16().to(DEV),
-              torch.randn(n, hv, generator=gen).bfloat16().to(DEV), torch.randn(n, hv, generator=gen).bfloat16().to(DEV))
-             for _ in range(4)]
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16().to(DEV)
+
+    steps = [(draw(n, 2 * hk * kd + hv * vd, scale=0.7), draw(n, hv), draw(n, hv)) for _ in range(4)]
 
     def forward(decoders, records, mixed, a, b, outs, join=True):
         for decoder, rec, out in zip(decoders, records, outs):

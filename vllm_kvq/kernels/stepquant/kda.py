@@ -34,7 +34,7 @@ from functools import cached_property
 import torch
 
 from vllm_kvq.kernels.stepquant.format import PIVOT, WIDTHS
-from vllm_kvq.kernels.stepquant.reference import FP16_MAX, FP16_MIN, fp16_round, pack_codes, unpack_codes
+from vllm_kvq.kernels.stepquant.reference import fp16_round, pack_codes, unpack_codes
 
 
 def qmax(bits: int) -> int:
@@ -167,4 +167,4 @@ def step(records, layout: KdaLayout, impact, q, k, v, g, beta):
     return (x * q.unsqueeze(-1)).sum(-2), encode(x, layout, impact)
 
 
-__all__ = ["KdaLayout", "fit_head", "encode", "decode", "step", "FP16_MIN", "FP16_MAX"]
+__all__ = ["KdaLayout", "fit_head", "encode", "decode", "step"]

@@ -114,7 +114,8 @@ def foreground_kernel(
                 c = tl.load(cp + col2).to(tl.float32)
             vv = tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32)
             if FAST:
-                # S = dr c z with dr = exp(g) r: Sᵀk = c Σ_i z (dr k), one FMA an element per sum; Xᵀq = Sᵀq + (k·q) δ
+                # S = dr c z with dr = exp(g) r: Sᵀk = c Σ_i z (dr k), one FMA an element per sum;
+                # Xᵀq = Sᵀq + (k·q) δ
                 dr = decay * r
                 delta = beta * (vv - c * tl.sum(z * (dr * k3), axis=2))
                 tl.store(out_ptr + scratch * V + col2, c * tl.sum(z * (dr * q3), axis=2) + kq * delta)
