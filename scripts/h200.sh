@@ -5,7 +5,7 @@
 # Steps, all by default, or the ones named: bash scripts/h200.sh check e2e
 #   tests  the Triton kernel tests at serving shapes, compiled (~4 min);
 #   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits; the writeback on its
-#          own stream, eagerly and in a CUDA graph);
+#          own stream, eagerly and in a CUDA graph; the KDA step);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
 #   bench-hybrid  only its decode and extend at hybrid models' block sizes and its decode against the split
 #          count, the rest kept from the saved results (~2 min; not by default);
@@ -55,8 +55,9 @@ if [[ $steps == *" tests "* ]]; then
     > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
 fi
 if [[ $steps == *" statetests "* ]]; then
-  STEPQUANT_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
-    > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"; tail -15 "$OUT/stepquant_tests.log"
+  STEPQUANT_REAL_SHAPES=1 timeout 480 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
+    tests/kernels/test_stepquant_kda.py > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"
+  tail -15 "$OUT/stepquant_tests.log"
 fi
 if [[ $steps == *" bench "* ]]; then
   timeout 300 python3 benchmarks/oscar_kernels.py 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
