@@ -4,7 +4,8 @@
 # scripts/pack_for_gpu.py in .device-carry/house-qwen3). Results: $OUT.
 # Steps, all by default, or the ones named: bash scripts/h200.sh check e2e
 #   tests  the Triton kernel tests at serving shapes, compiled (~4 min);
-#   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits);
+#   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits; the writeback on its
+#          own stream, eagerly and in a CUDA graph; the KDA step);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
 #   bench-hybrid  only its decode and extend at hybrid models' block sizes and its decode against the split
 #          count, the rest kept from the saved results (~2 min; not by default);
@@ -25,6 +26,12 @@
 #   state-e2e-graphs  the state-e2e job with full CUDA graphs for decodes in every engine (~8 min; not by default);
 #   state-oscar  OSCAR's Triton kernels on the hybrid's attention layers with the pool, against its reference
 #          ops and under graphs, scripts/cuda_state_check.py (~5 min; not by default);
+#   state-bench  the split STEPQuant step at the op level, batch 512 (foreground, writeback and both against
+#          vLLM's FP32 update), benchmarks/stepquant_kernels.py op (<= 9 min; not by default);
+#   state-overlap  the split step in a stack of 27B-like decoder layers at batch 512, the writeback on its own
+#          stream, against FP32 updates, benchmarks/stepquant_kernels.py overlap (~4 min; not by default);
+#   kda-bench  the KDA row-unit codec's step against vLLM's KDA decode op, benchmarks/kda_kernels.py
+#          (~5 min; not by default);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
 #   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min);
 #   prefix the multi-turn chat job at 32 conversations x 6 turns over a 16K-token document: OSCAR with and
@@ -61,8 +68,9 @@ if [[ $steps == *" tests "* ]]; then
     > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
 fi
 if [[ $steps == *" statetests "* ]]; then
-  STEPQUANT_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
-    > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"; tail -15 "$OUT/stepquant_tests.log"
+  STEPQUANT_REAL_SHAPES=1 timeout 480 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
+    tests/kernels/test_stepquant_kda.py > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"
+  tail -15 "$OUT/stepquant_tests.log"
 fi
 if [[ $steps == *" bench "* ]]; then
   timeout 300 python3 benchmarks/oscar_kernels.py 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
@@ -108,6 +116,18 @@ if [[ $steps == *" state-oscar "* ]]; then
     oscar_stepquant_mixed_staged > "$OUT/cuda_state_check.log" 2>&1
   echo "state oscar rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
+fi
+if [[ $steps == *" state-bench "* ]]; then
+  timeout 540 python3 benchmarks/stepquant_kernels.py op --budget-s 200 --json "$OUT/stepquant_kernels_op.json" 2>&1 \
+    | grep -v "INFO\|WARNING" | tail -30; echo "state bench rc=$?"
+fi
+if [[ $steps == *" state-overlap "* ]]; then
+  timeout 540 python3 benchmarks/stepquant_kernels.py overlap --json "$OUT/stepquant_kernels_overlap.json" \
+    --json "$OUT/stepquant_kernels_op.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "state overlap rc=$?"
+fi
+if [[ $steps == *" kda-bench "* ]]; then
+  timeout 540 python3 benchmarks/kda_kernels.py --json "$OUT/kda_kernels.json" 2>&1 | grep -v "INFO\|WARNING" \
+    | tail -20; echo "kda bench rc=$?"
 fi
 if [[ $steps == *" state-e2e-graphs "* ]]; then
   timeout 580 python3 benchmarks/stepquant_vllm_e2e.py --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
