@@ -43,12 +43,14 @@ def variants(model: str) -> dict[str, dict | None]:
         "KIVI-style INT2 + sink/window": {"scheme": "kivi"},
         "KIVI-style keys with int8 pairs + OSCAR values": {"scheme": "kivi", "key_pairs": "int8",
                                                            "artifact": f"{art}-oscar"},
-        "OSCAR, per-KV-head rotation, G=64": {"artifact": f"{art}-oscar", "group_size": 64},
-        "OSCAR tiers: K 48x4 + 80x2, V 16x4 + 48x2 + 64 not stored": {"scheme": "tiered",
-                                                                       "artifact": f"{art}-tiered"},
-        "OSCAR tiers: K 32x4 + 96x2, V 16x4 + 32x2 + 80 not stored": {"scheme": "tiered",
-                                                                       "artifact": f"{art}-tiered-2.25bit"},
+        "OSCAR tiers: K 48x4 + 80x2, V 16x4 + 48x2 + 64 not stored": {"artifact": f"{art}-tiered"},
+        "OSCAR tiers: K 32x4 + 96x2, V 16x4 + 32x2 + 80 not stored": {"artifact": f"{art}-tiered-2.25bit"},
+        AUTO[80]: {"artifact": f"{art}-auto80"},
+        AUTO[72]: {"artifact": f"{art}-auto72"},
     }
+
+
+AUTO = {80: "OSCAR tiers chosen by calibration, 80 B (the default)", 72: "OSCAR tiers chosen by calibration, 72 B"}
 
 
 def bits_per_element(kvq: dict | None, head_size: int = 128) -> float:
@@ -56,11 +58,10 @@ def bits_per_element(kvq: dict | None, head_size: int = 128) -> float:
     the BF16 sink and window are not counted."""
     if kvq is None:
         return 16.0
-    from vllm_kvq.kernels.formats import page_format
-    from vllm_kvq.settings import OscarSettings
+    from vllm_kvq.backends.resolve import page_format
+    from vllm_kvq.backends.settings import OscarSettings
 
-    keep = {k: v for k, v in kvq.items() if k != "artifact" or kvq.get("scheme") == "tiered"}  # tiers: from the artifact
-    fmt = page_format(head_size, 128, OscarSettings(**keep))
+    fmt = page_format(head_size, 128, OscarSettings.from_dict(kvq))
     return 8.0 * fmt.bytes_per_token / (2 * head_size)
 
 
@@ -160,6 +161,33 @@ def model_table(results: dict, args) -> list[str]:
     return lines + [""]
 
 
+def _delta(results: dict, name: str) -> str:
+    """``+x.xx% perplexity, y% of BF16's needles`` of one row (rendered from the results)."""
+    r, base = results[name], results["bf16"]
+    return f"{r['ppl'] / base['ppl'] - 1:+.2%} perplexity, {r['needle_acc'] / base['needle_acc']:.0%} of BF16's needles"
+
+
+def findings(saved: dict[str, dict]) -> list[str]:
+    """The findings, their figures taken from the saved results of each model."""
+    hand = "OSCAR tiers: K 48x4 + 80x2, V 16x4 + 48x2 + 64 not stored"
+    lines = ["### Findings", ""]
+    per = lambda name: "; ".join(f"{m} {_delta(r, name)}" for m, r in saved.items() if name in r)  # noqa: E731
+    if all(AUTO[80] in r and hand in r for r in saved.values()):
+        lines.append(f"* **The tiers calibration chooses** at the default 80 B per token and head (2.5 bits per "
+                     f"element): {per(AUTO[80])}; the hand-picked plan of the same size: {per(hand)}. At OSCAR "
+                     f"INT2's 72 B: {per(AUTO[72])}; OSCAR INT2 itself: {per('OSCAR, per-KV-head rotation')}.")
+    lines += [
+        "* **Fitted clip ratios do not help** (`fitted clip` rows: " + per("OSCAR, per-KV-head rotation, fitted clip")
+        + "); the fixed 0.96 / 0.92 stay the default.",
+        "* **Per-channel keys** (the KIVI-style reference point, 2.625 bits): " + per("KIVI-style INT2 + sink/window")
+        + ".",
+        "* Every row here is 24 needles and two 4,000-token windows: differences of a few tenths of a percent and "
+        "a needle or two are within noise.",
+        "",
+    ]
+    return lines
+
+
 def write_markdown(path: Path) -> None:
     """docs/accuracy.md from every ``benchmarks/results/accuracy-*.json``."""
     lines = [
@@ -167,39 +195,41 @@ def write_markdown(path: Path) -> None:
         "",
         "vLLM 0.32 CPU, decode regime: chunked prefill with every request prefilled in chunks of at most "
         "64 tokens (`long_prefill_token_threshold`), so every prompt token reads older context from the "
-        "cache as a generated token would. Needles: `../shared/eval/needles-dev.jsonl`, the first N per "
-        "length bucket, hit = greedy continuation starts with `answer[:4]`. Perplexity: windows of 4000 "
-        "tokens of `code-dev.txt.gz`, from `prompt_logprobs`.",
+        "cache as a generated token would. Needles: the development needle set (200 prompts, 0.5K-4K "
+        "tokens), the first N per length bucket, hit = greedy continuation starts with `answer[:4]`. "
+        "Perplexity: windows of 4000 tokens of the held-out development code, from `prompt_logprobs`.",
         "",
         "Regenerate both models' tables: `python benchmarks/accuracy.py` (one model: `--model "
         "examples/models/MODEL`; some rows: `--variants NAME ...`); the numbers below are from that "
-        "command with its defaults. The Part 2 screening section comes from `benchmarks/kv_mix_screen.py`, "
-        "the calibration times from `benchmarks/calibration_time.py`; `--render-only` rewrites this page "
-        "from the saved results.",
+        "command with its defaults, the calibration times from `benchmarks/calibration_time.py`; "
+        "`--render-only` rewrites this page from the saved results.",
         "",
     ]
+    saved = {}
     for f in sorted((REPO / "benchmarks" / "results").glob("accuracy-*.json")):
-        saved = json.loads(f.read_text())
-        if "bf16" in saved["results"]:
-            lines += model_table(saved["results"], argparse.Namespace(**saved["args"]))
+        data = json.loads(f.read_text())
+        if "bf16" in data["results"]:
+            lines += model_table(data["results"], argparse.Namespace(**data["args"]))
+            saved[Path(data["args"]["model"]).name] = data["results"]
     lines += [
         "Variants: `naive INT2` quantizes every key and value, the current token included (sink 0, "
         "window 0, no rotation, no clipping); `INT2 + sink/window` keeps the first 64 and last 256 "
         "tokens of every sequence in BF16; `Hadamard` rotates keys and values by a 128x128 "
-        "Sylvester Hadamard matrix first. INT2 variants use groups of 128 (`G=64`: 64) with fp16 "
+        "Sylvester Hadamard matrix first. INT2 variants quantize each row as one group with an fp16 "
         "(scale, min). `OSCAR` rows use the artifacts in `examples/artifacts/` made by `vllm-kvq "
-        "calibrate` on `code-dev.txt.gz` (28,672 tokens; R = U·H·P_br from the grouped query "
+        "calibrate` on the development code (28,672 tokens; R = U·H·P_br from the grouped query "
         "covariance for K and the score-weighted value covariance for V, or the attention-output "
         "covariance V^T S^T S V for the `exact value target` row; clip 0.96 / 0.92, or `fitted clip`: "
         "`--clip fitted`, ratios per layer chosen on a held-out 2,048-token window by the "
-        "attention-output error), shared per layer or per KV head. `KIVI-style INT2` (`scheme: "
-        "kivi`) quantizes keys per channel over groups of 32 positions and values per token, with no "
-        "rotation and no clipping, and the same BF16 sink and window. `OSCAR tiers` rows (`scheme: "
-        "tiered`, artifacts `-tiered` and `-tiered-2.25bit` from `vllm-kvq calibrate --tiers ...` on the "
-        "same text) cut each KV head's eigen-directions, strongest first, into tiers: INT4 (unclipped), "
-        "INT2 (clip 0.96 / 0.92) or not stored (read back as the calibrated mean), one fp16 (scale, min) "
-        "per stored tier: 80 B per token and head at 2.5 bits, 72 B (OSCAR INT2's bytes) at 2.25 "
-        "([design.md](design.md)).",
+        "attention-output error), shared per layer or per KV head (`--tiers int2`). `KIVI-style INT2` "
+        "(`scheme: kivi`) quantizes keys per channel over groups of 32 positions and values per token, "
+        "with no rotation and no clipping, and the same BF16 sink and window. `OSCAR tiers` rows cut "
+        "each KV head's eigen-directions, strongest first, into tiers: INT4 (unclipped), INT2 (clip "
+        "0.96 / 0.92) or not stored (read back as the calibrated mean), one fp16 (scale, min) per "
+        "stored tier ([design.md](design.md)): by hand for every layer (`--tiers ...`, artifacts "
+        "`-tiered` and `-tiered-2.25bit`), or chosen per layer by calibration under a byte budget from "
+        "the error each candidate makes on the held-out window (the default `vllm-kvq calibrate`, "
+        "artifacts `-auto80` and `-auto72` with `--bytes-per-token 72`).",
         "",
         "`bits/element`: bits per quantized element, codes plus fp16 scales, keys and values "
         "averaged (BF16 sink and window rows not counted; [design.md](design.md) gives the totals "
@@ -208,37 +238,11 @@ def write_markdown(path: Path) -> None:
         "`KIVI-style keys with int8 pairs + OSCAR values` (`scheme: kivi`, `key_pairs: int8`, the "
         "per-KV-head artifact): keys unrotated, per channel over 32 positions, each channel's "
         "(min, max) stored as int8 steps of one fp16 step per group and head (2.5 bits per key "
-        "element); values rotated by the artifact's R_V, clipped at 0.92 and quantized per token in "
-        "groups of 128 (2.25 bits). 77 B per token and head, 2.406 bits per element.",
+        "element); values rotated by the artifact's R_V, clipped at 0.92 and quantized per token "
+        "(2.25 bits). 77 B per token and head, 2.406 bits per element.",
         "",
-        "### Findings",
-        "",
-        "* **Fitted clip ratios do not help.** `--clip fitted` chooses key ratios of 0.85-0.90 per "
-        "layer (house-qwen3; the held-out attention-output error favours clipping the largest rotated "
-        "key coordinates), and both models lose perplexity and needles against the fixed 0.96 / 0.92. "
-        "The fixed ratios stay the default.",
-        "* **Per-channel key groups help house-qwen3 only.** The KIVI-style reference point "
-        "beats OSCAR's rotated per-token keys on house-qwen3 (perplexity and needles) and is no "
-        "better on house-qwen2, whose keys have the stronger outlier channels, at 2.625 bits. "
-        "Storing its per-channel pairs as int8 steps brings it to 2.406 bits for about the same "
-        "accuracy on both models.",
-        "* **Within 2.5 bits per element the target is reached by the tiered scheme.** Keys 48 INT4 + 80 "
-        "INT2 and values 16 INT4 + 48 INT2 with the 64 weakest value directions not stored (2.5 bits, "
-        "80 B per token and head): house-qwen3 +0.87% perplexity and 100% of BF16's needles, "
-        "house-qwen2 +0.39% and 104%, against the target of +1.5% and 95% on both models. At OSCAR "
-        "INT2's own 72 B (2.25 bits: keys 32 INT4 + 96 INT2, values 16 INT4 + 32 INT2, 80 not stored) "
-        "it is just outside: house-qwen3 +1.59% (needles 105%), house-qwen2 +0.88% (needles 91%). "
-        "Before the tiers, the best at 2.5 bits or less was +3.30% (house-qwen3, int8-pair per-channel "
-        "keys with OSCAR values) and +4.87% (house-qwen2, OSCAR G=64). Why the tiers work, and the "
-        "plans screened to find them, is in the Part 2 screening below; like every row here these are "
-        "24 needles and two 4,000-token windows, so differences of a few tenths of a percent and a "
-        "needle or two are within noise.",
-        "",
+        *findings(saved),
     ]
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from kv_mix_screen import markdown_section  # Part 2 screening, from its saved JSON
-
-    lines += markdown_section()
     timing = REPO / "benchmarks" / "results" / "calibration-time.json"
     if timing.exists():
         lines += [

@@ -31,6 +31,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from vllm_kvq.kernels.oscar import triton_decode, triton_store
+from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat
 from vllm_kvq.kernels.stepquant import triton_step
 from vllm_kvq.kernels.stepquant.format import StateLayout
 
@@ -43,7 +44,7 @@ POINTERS = {
     "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
     "rold_ptr": "*fp32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
     "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*bf16", "k_out_ptr": "*bf16",
-    "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32",
+    "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32", "kfill": "*fp32", "vfill": "*fp32",
 }
 FLOATS = {"q_scale"}
 ALIGNED = {"slot_stride", "sqn", "skn", "svn", "stride_qb", "stride_qh", "bt_stride", "stride_kt", "stride_kh",
@@ -98,14 +99,28 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     return jobs
 
 
-def decode_job() -> tuple:
+PLANS = {"OSCAR INT2": "k=128x2;v=128x2", "tiers 80 B": "k=48x4,80x2;v=16x4,48x2,64x0",
+         "tiers 72 B": "k=32x4,96x2;v=16x4,32x2,80x0", "big pieces": "k=64x4,64x2;v=64x2,64x0"}
+
+
+def _format(spec: str) -> OscarFormat:
+    return OscarFormat(head_size=128, block_size=128, sink=64, window=256, tiers=LayerTiers.parse(spec))
+
+
+def decode_jobs() -> list[tuple]:
     lc = triton_decode.default_launch(4, 128)
-    const = dict(HQ=32, GROUP=4, GP=4, D=128, G=128, KB=128, SINK=64, WINDOW=256, STATE_BLOCKS=18, ROWS=18,
-                 NUM_BF16=-(-320 // lc["bf16_rows"]), BLOCK_N=lc["bf16_rows"], ASM=True, NSTAGE=lc["num_stages"],
-                 TILE=lc["tile"])
-    # a loop trip is one TILE-token slice: its K and V codes per thread
-    return ("oscar decode (Qwen3-4B shape)", triton_decode._decode_kernel, const, lc["num_warps"],
-            2 * lc["tile"] * 128 // (32 * lc["num_warps"]))
+    jobs = []
+    for name, spec in PLANS.items():
+        f = _format(spec)
+        const = dict(HQ=32, GROUP=4, GP=4, KP=triton_decode.row_pieces(f.k.code_bytes),
+                     VP=triton_decode.row_pieces(f.v.code_bytes), K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2,
+                     D=128, KB=128, BLOCK_BYTES=f.block_bytes, SINK=64, WINDOW=256, STATE_BLOCKS=f.state_blocks,
+                     ROWS=f.state_rows_per_block, NUM_BF16=-(-320 // lc["bf16_rows"]), BLOCK_N=lc["bf16_rows"],
+                     ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"])
+        # a loop trip is one TILE-token slice: its K and V codes per thread
+        jobs.append((f"oscar decode, {name} (Qwen3-4B shape)", triton_decode._decode_kernel, const,
+                     lc["num_warps"], 2 * lc["tile"] * 128 // (32 * lc["num_warps"])))
+    return jobs
 
 
 def store_jobs() -> list[tuple]:
@@ -113,14 +128,16 @@ def store_jobs() -> list[tuple]:
     (its loop is one round of the clip search: 7 a row in the usual case, after
     the round that checks the octave below the row's maximum)."""
     lc = triton_store.default_launch(128)
-    rows = 32 * lc["num_warps"] // lc["tpr"]
     jobs = []
-    for rotate in (True, False):
-        const = dict(H=8, D=128, G=128, KB=128, SINK=64, WINDOW=256, RING=256, STATE_BLOCKS=18, ROWS=18,
-                     ROTATE=rotate, ROT_PARTS=3, DATA=True, STATE=True, T=rows, TPR=lc["tpr"], ASM=True,
-                     DECODE=False, SLOTS=False)
-        jobs.append((f"oscar store ({'rotated' if rotate else 'unrotated'} K)", triton_store._store_kernel, const,
-                     lc["num_warps"], 2 * 128 // lc["tpr"]))
+    for name, spec in PLANS.items():
+        f = _format(spec)
+        for rotate in (True, False):
+            const = dict(H=8, D=128, KB=128, K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2, SINK=64,
+                         WINDOW=256, RING=256, STATE_BLOCKS=f.state_blocks, ROWS=f.state_rows_per_block,
+                         ROTATE=rotate, ROT_PARTS=3, DATA=True, STATE=True, T=lc["rows"], ASM=True,
+                         DECODE=False, SLOTS=False)
+            jobs.append((f"oscar store, {name} ({'rotated' if rotate else 'unrotated'} K)",
+                         triton_store._store_kernel, const, lc["num_warps"], 2 * 128 * lc["rows"] // (32 * lc["num_warps"])))
     return jobs
 
 
@@ -133,7 +150,7 @@ def main() -> None:
     args = ap.parse_args()
     jobs = [j for j in stepquant_jobs(args.bits) if j[0].split()[1].rstrip(",") in args.kernels]
     if "decode" in args.kernels:
-        jobs.append(decode_job())
+        jobs += decode_jobs()
     if "store" in args.kernels:
         jobs += store_jobs()
     report = {"triton": triton.__version__, "target": "sm_90a", "kernels": {}}

@@ -1,18 +1,21 @@
 """OSCAR Triton kernels on a GPU, against BF16 baselines timed in the same run.
 
-* Decode attention: batch x context x (Hq, Hkv, D); split-KV INT2 decode
-  at the kernel's default launch (what serving runs; store excluded) against
-  torch SDPA (flash) over BF16 K/V, with effective bandwidth over the bytes
-  each really reads, and the device's read bandwidth measured here; other
-  launches beside the default; at a hybrid model's block sizes (not
-  multiples of the step), decode and extend at the default launch against
-  16-token steps; and decode against the INT2 split count.
-* Write path: the fused store for a prefill-sized batch of tokens, against
-  the bandwidth ceiling.
+* Decode attention: batch x context x (Hq, Hkv, D); split-KV decode of OSCAR
+  INT2 pages and of the tiered pages (the 80-byte plan) at the kernel's
+  default launch (what serving runs; store excluded) against the fastest
+  BF16 decode in the same run (torch SDPA under each backend that runs, with
+  ``enable_gqa``, and vLLM's own TRITON_ATTN kernel on paged BF16 K/V), with
+  effective bandwidth over the bytes each really reads, and the device's read
+  bandwidth measured here; other launches beside the default; at a hybrid
+  model's block sizes (not multiples of the step), decode and extend at the
+  default launch against 16-token steps; and decode against the split count.
+* Write path: the fused store for a prefill-sized batch of tokens, OSCAR INT2
+  and tiered, against the bandwidth ceiling.
 * Extend (prefill chunk over INT2 + BF16 history) against torch SDPA (flash)
   over the same context in BF16.
 * Model projection: Qwen3-4B at 100K context, batch as the H200's memory
-  allows for each cache, from measured attention, store and GEMM times.
+  allows for each cache, from measured attention (the fastest BF16 decode for
+  BF16), store and GEMM times.
 
     python benchmarks/oscar_kernels.py [--quick] [--sections extend ...]
 
@@ -35,7 +38,7 @@ import triton
 from triton.testing import do_bench, do_bench_cudagraph
 
 from vllm_kvq.kernels.oscar import reference as ref
-from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention, default_launch, num_splits
 from vllm_kvq.kernels.oscar.triton_extend import extend_attention, query_tiles
 from vllm_kvq.kernels.oscar.triton_store import default_launch as default_store_launch
@@ -48,8 +51,14 @@ BATCHES = [1, 8, 32]
 CONTEXTS = [8192, 32768, 100_000]
 
 
-def fmt_for(d: int = 128, block_size: int = 128) -> OscarFormat:
-    return OscarFormat(head_size=d, group_size=128, block_size=block_size, sink=64, window=256)
+PLANS = {"OSCAR INT2": None, "tiers 80 B": "k=48x4,80x2;v=16x4,48x2,64x0"}
+"""The page formats timed: INT2 everywhere, and the 80-byte tier plan."""
+
+
+def fmt_for(d: int = 128, block_size: int = 128, plan: str | None = None) -> OscarFormat:
+    """OSCAR INT2, or a tier plan of PLANS (head size 128)."""
+    tiers = None if plan is None else LayerTiers.parse(plan)
+    return OscarFormat(head_size=d, block_size=block_size, sink=64, window=256, tiers=tiers)
 
 
 def read_bandwidth() -> float:
@@ -69,9 +78,9 @@ def make_cache(fmt: OscarFormat, batch: int, ctx: int, hkv: int, gen: torch.Gene
                           device=DEV, generator=gen)
     pages = ref.PageViews(cache, fmt)
     pages.state.copy_(torch.randn(pages.state.shape, device=DEV, generator=gen) * 0.5)  # spans whole blocks
-    for scale in (pages.k_scale, pages.v_scale):
-        scale[..., 0].copy_(torch.rand(scale[..., 0].shape, device=DEV, generator=gen) * 0.1 + 0.01)
-        scale[..., 1].copy_(torch.rand(scale[..., 1].shape, device=DEV, generator=gen) * -0.2)
+    for pairs in (pages.k_pairs, pages.v_pairs):
+        pairs[..., 0].copy_(torch.rand(pairs[..., 0].shape, device=DEV, generator=gen) * 0.1 + 0.01)
+        pairs[..., 1].copy_(torch.rand(pairs[..., 1].shape, device=DEV, generator=gen) * -0.2)
     perm = torch.randperm(nblocks - 1, device=DEV, generator=gen) + 1
     table = perm[: batch * per_req].view(batch, per_req).to(torch.int32)
     return cache, table
@@ -86,6 +95,12 @@ def decode_inputs(fmt: OscarFormat, batch: int, ctx: int, hq: int, hkv: int, gen
     return cache, table, q, seq, torch.empty_like(q)
 
 
+def fills(fmt: OscarFormat, hkv: int, gen) -> tuple:
+    """Means of the 0-bit tiers (random), K and V."""
+    return tuple(torch.randn(hkv, getattr(fmt, kind).zero, device=DEV, generator=gen) if getattr(fmt, kind).zero
+                 else None for kind in "kv")
+
+
 def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> int:
     int2 = max(ctx - fmt.sink - fmt.window, 0) * fmt.bytes_per_token
     bf16 = min(ctx, fmt.sink + fmt.window) * fmt.state_row_bytes
@@ -94,7 +109,7 @@ def oscar_bytes(fmt: OscarFormat, batch: int, ctx: int, hkv: int, hq: int) -> in
 
 LAUNCHES = [{"num_warps": w, "num_stages": st, "tile": t}
             for w, st, t in ((1, 6, 64), (1, 4, 64), (1, 8, 64), (1, 6, 128), (1, 4, 32), (2, 6, 128))]
-STORE_LAUNCHES = [{"num_warps": w, "tpr": t} for w, t in ((8, 4), (2, 4), (4, 2), (4, 8), (8, 8))]  # besides the default
+STORE_LAUNCHES = [{"num_warps": w, "rows": r} for w, r in ((8, 32), (4, 16), (2, 16), (8, 64))]  # besides the default
 
 
 def sweep_launch(hq: int, sms: int, gen) -> list[dict]:
@@ -116,35 +131,92 @@ def sweep_launch(hq: int, sms: int, gen) -> list[dict]:
     return rows
 
 
-def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen) -> dict:
-    fmt = fmt_for(d)
-    ms_oscar = time_decode(fmt, hq, hkv, batch, ctx, sms, gen)
-    splits = num_splits(batch, hkv, ctx, sms, fmt.block_size)
-    nbytes = oscar_bytes(fmt, batch, ctx, hkv, hq)
-    q = torch.randn(batch, hq, d, device=DEV, generator=gen).to(torch.bfloat16)
+def sdpa_backends():
+    from torch.nn.attention import SDPBackend
 
-    # BF16 baseline: flash SDPA with the query heads of each KV head as its queries (GQA).
+    return {"cudnn": SDPBackend.CUDNN_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "flash": SDPBackend.FLASH_ATTENTION}
+
+
+def vllm_triton_decode(q, k, v, ctx: int):
+    """vLLM's TRITON_ATTN decode kernel (``unified_attention``) on a paged
+    BF16 cache holding ``k, v [B, Hkv, L, D]``, as its metadata builder
+    launches it for a decode batch (2D kernel for batches of at least 128 /
+    Hkv requests, else 16 softmax segments per request)."""
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    b, hkv, _, d = k.shape
+    hq = q.shape[1]
+    kb = 16
+    pages = -(-ctx // kb)
+    cache = torch.empty(b * pages, kb, hkv, 2 * d, dtype=torch.bfloat16, device=DEV)
+    cache.view(b, pages * kb, hkv, 2 * d)[:, :ctx, :, :d] = k.transpose(1, 2)
+    cache.view(b, pages * kb, hkv, 2 * d)[:, :ctx, :, d:] = v.transpose(1, 2)
+    k_cache, v_cache = cache.split(d, dim=-1)
+    table = torch.arange(b * pages, dtype=torch.int32, device=DEV).view(b, pages)
+    seq = torch.full((b,), ctx, dtype=torch.int32, device=DEV)
+    cu = torch.arange(b + 1, dtype=torch.int32, device=DEV)
+    threshold, segments = 128 // hkv, 16
+    seg_out = torch.empty(threshold, hq, segments, triton.next_power_of_2(d), dtype=torch.float32, device=DEV)
+    seg_max = torch.empty(threshold, hq, segments, dtype=torch.float32, device=DEV)
+    seg_sum = torch.empty_like(seg_max)
+    out = torch.empty(b, hq, d, dtype=torch.bfloat16, device=DEV)
+    descale = torch.ones(1, dtype=torch.float32, device=DEV).expand(b, hkv)
+    return lambda: unified_attention(
+        q=q, k=k_cache, v=v_cache, out=out, cu_seqlens_q=cu, max_seqlen_q=1, seqused_k=seq, max_seqlen_k=ctx,
+        softmax_scale=d ** -0.5, causal=True, window_size=(-1, -1), block_table=table, softcap=0,
+        q_descale=None, k_descale=descale, v_descale=descale, seq_threshold_3D=threshold,
+        num_par_softmax_segments=segments, softmax_segm_output=seg_out, softmax_segm_max=seg_max,
+        softmax_segm_expsum=seg_sum)
+
+
+def best_bf16_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, gen) -> dict:
+    """Every BF16 decode that runs here on one query per request over dense
+    BF16 K/V: torch SDPA under each backend (``enable_gqa``) and vLLM's
+    TRITON_ATTN kernel. Returns the ms of each and the fastest."""
+    from torch.nn.attention import sdpa_kernel
+
+    q = torch.randn(batch, hq, 1, d, device=DEV, generator=gen).to(torch.bfloat16)
     k = torch.randn(batch, hkv, ctx, d, device=DEV, generator=gen).to(torch.bfloat16)
     v = torch.randn(batch, hkv, ctx, d, device=DEV, generator=gen).to(torch.bfloat16)
-    qg = q.view(batch, hkv, hq // hkv, d)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        ms_bf16 = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(qg, k, v), warmup=10, rep=100)
-    bf16_bytes = 2 * k.numel() * 2
+    times = {}
+    for name, backend in sdpa_backends().items():
+        try:
+            with sdpa_kernel(backend):
+                run = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)  # noqa: E731
+                run()
+                times[f"sdpa {name}"] = do_bench(run, warmup=10, rep=100)
+        except RuntimeError as e:  # a backend that does not take this shape or device
+            times[f"sdpa {name}"] = f"not run: {str(e).splitlines()[0][:120]}"
+    try:
+        times["vllm TRITON_ATTN"] = do_bench(vllm_triton_decode(q[:, :, 0], k, v, ctx), warmup=10, rep=100)
+    except Exception as e:  # noqa: BLE001 - the row records why
+        times["vllm TRITON_ATTN"] = f"not run: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
     del k, v
     torch.cuda.empty_cache()
-    return {"hq": hq, "hkv": hkv, "d": d, "batch": batch, "context": ctx, "splits": splits,
-            "oscar_ms": ms_oscar, "oscar_bytes": nbytes, "oscar_gbps": nbytes / ms_oscar / 1e6,
-            "bf16_sdpa_ms": ms_bf16, "bf16_bytes": bf16_bytes, "bf16_gbps": bf16_bytes / ms_bf16 / 1e6,
-            "speedup": ms_bf16 / ms_oscar}
+    ran = {n: t for n, t in times.items() if isinstance(t, float)}
+    best = min(ran, key=ran.get)
+    return {"times": times, "best": best, "ms": ran[best], "bytes": 2 * batch * hkv * ctx * d * 2}
 
 
-def bench_store(tokens: int, hkv: int, d: int, gen) -> dict:
+def bench_decode(hq: int, hkv: int, d: int, batch: int, ctx: int, sms: int, gen) -> dict:
+    bf16 = best_bf16_decode(hq, hkv, d, batch, ctx, gen)
+    row = {"hq": hq, "hkv": hkv, "d": d, "batch": batch, "context": ctx,
+           "splits": num_splits(batch, hkv, ctx, sms, 128), "bf16": bf16,
+           "bf16_ms": bf16["ms"], "bf16_gbps": bf16["bytes"] / bf16["ms"] / 1e6}
+    for name, plan in PLANS.items():
+        fmt = fmt_for(d, plan=plan)
+        ms = time_decode(fmt, hq, hkv, batch, ctx, sms, gen)
+        nbytes = oscar_bytes(fmt, batch, ctx, hkv, hq)
+        row[name] = {"ms": ms, "bytes": nbytes, "gbps": nbytes / ms / 1e6, "speedup": bf16["ms"] / ms}
+    return row
+
+
+def bench_store(tokens: int, hkv: int, d: int, gen, plan: str | None = None) -> dict:
     """The fused store of ``tokens`` new tokens of one request (a prefill chunk)
     at the kernel's default launch (what serving runs), rotated and unrotated,
     with the other launches of STORE_LAUNCHES beside it."""
-    fmt = fmt_for(d)
+    fmt = fmt_for(d, plan=plan)
     cache, table = make_cache(fmt, 1, tokens, hkv, gen)
     k = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
     v = torch.randn(tokens, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
@@ -211,7 +283,8 @@ def time_extend(fmt: OscarFormat, hq: int, hkv: int, ctx: int, chunk: int, gen, 
     v = torch.randn(chunk, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
     tiles = query_tiles([(0, 0, chunk, ctx)], DEV)
     out = torch.empty_like(q)
-    times = [do_bench(lambda: extend_attention(q, k, v, cache, fmt, table, tiles, d ** -0.5, out, launch),
+    zero = fills(fmt, hkv, gen)
+    times = [do_bench(lambda: extend_attention(q, k, v, cache, fmt, table, tiles, d ** -0.5, out, launch, zero),
                       warmup=5, rep=30) for launch in launches]
     del cache, table
     torch.cuda.empty_cache()
@@ -229,41 +302,45 @@ def gemm_ms(batch: int, shapes: list[tuple[int, int]], gen) -> float:
 
 
 def project_qwen3_4b(sms: int, gen) -> dict:
-    """Decode tokens/s of Qwen3-4B at 100K context on one H200, BF16 vs OSCAR."""
+    """Decode tokens/s of Qwen3-4B at 100K context on one H200: the fastest
+    BF16 decode, OSCAR INT2 and the 80-byte tiers, each at the batch its cache
+    lets fit."""
     layers, hidden, hq, hkv, d, inter, vocab = 36, 2560, 32, 8, 128, 9728, 151936
     ctx = 100_000
-    fmt = fmt_for(d)
     weights = 8.05e9  # bytes of the bf16 checkpoint
     memory = 0.9 * 141e9 - weights - 4e9  # utilization 0.9, 4 GB activations/workspace
-    bf16_req = layers * hkv * ctx * d * 2 * 2
-    oscar_req = layers * hkv * (ctx * fmt.bytes_per_token + fmt.state_blocks * fmt.block_bytes)
-    batches = {"bf16": int(memory // bf16_req), "oscar": int(memory // oscar_req)}
+    per_request = {"bf16": layers * hkv * ctx * d * 2 * 2}
+    for name, plan in PLANS.items():
+        fmt = fmt_for(d, plan=plan)
+        per_request[name] = layers * hkv * (ctx * fmt.bytes_per_token + fmt.state_blocks * fmt.block_bytes)
+    batches = {name: int(memory // b) for name, b in per_request.items()}
     shapes = [(hidden, (hq + 2 * hkv) * d), (hq * d, hidden), (hidden, 2 * inter), (inter, hidden)]
-    res = {"context": ctx, "batch": batches, "bytes_per_request": {"bf16": bf16_req, "oscar": oscar_req}}
+    res = {"context": ctx, "batch": batches, "bytes_per_request": per_request}
     for name, b in batches.items():
         if name == "bf16":
-            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["bf16_sdpa_ms"]
-            store, store_graph = 0.0, 0.0
+            best = best_bf16_decode(hq, hkv, d, b, ctx, gen)
+            attn, store, store_graph, how = best["ms"], 0.0, 0.0, best["best"]
         else:
-            attn = bench_decode(hq, hkv, d, b, ctx, sms, gen)["oscar_ms"]
-            timed = bench_store_decode(b, hkv, d, gen)
-            store, store_graph = timed["ms"], timed["graph_ms"]
+            attn = time_decode(fmt_for(d, plan=PLANS[name]), hq, hkv, b, ctx, sms, gen)
+            timed = bench_store_decode(b, hkv, d, gen, plan=PLANS[name])
+            store, store_graph, how = timed["ms"], timed["graph_ms"], "Triton"
         lin = gemm_ms(b, shapes, gen)
         head = gemm_ms(b, [(hidden, vocab)], gen)
         step = layers * (attn + store + lin) + head
-        res[name] = {"attention_ms_per_layer": attn, "store_ms_per_layer": store,
+        res[name] = {"attention_ms_per_layer": attn, "attention": how, "store_ms_per_layer": store,
                      "store_graph_ms_per_layer": store_graph, "linear_ms_per_layer": lin,
                      "lm_head_ms": head, "step_ms": step, "tokens_per_s": b / step * 1e3}
-    res["speedup"] = res["oscar"]["tokens_per_s"] / res["bf16"]["tokens_per_s"]
+    res["speedup"] = {name: res[name]["tokens_per_s"] / res["bf16"]["tokens_per_s"] for name in PLANS}
     return res
 
 
-def bench_store_decode(batch: int, hkv: int, d: int, gen, launch: dict | None = None) -> dict:
+def bench_store_decode(batch: int, hkv: int, d: int, gen, launch: dict | None = None,
+                       plan: str | None = None) -> dict:
     """The decode step's store (one token per request, rotated), as serving
     calls it: ms per call, and ms per replay of a CUDA graph of it (the
     serving job's decode batches replay full graphs); at the decode default
     launch unless ``launch`` is given."""
-    fmt = fmt_for(d)
+    fmt = fmt_for(d, plan=plan)
     cache, table = make_cache(fmt, batch, 1024, hkv, gen)
     k = torch.randn(batch, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
     v = torch.randn(batch, hkv, d, device=DEV, generator=gen).to(torch.bfloat16)
@@ -278,8 +355,9 @@ def time_decode(fmt: OscarFormat, hq: int, hkv: int, batch: int, ctx: int, sms: 
     """ms of one decode step of ``batch`` requests of ``ctx`` tokens."""
     cache, table, q, seq, out = decode_inputs(fmt, batch, ctx, hq, hkv, gen)
     splits = num_splits(batch, hkv, ctx, sms, fmt.block_size)
-    ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, fmt.head_size ** -0.5, splits, out, launch),
-                  warmup=10, rep=100)
+    zero = fills(fmt, hkv, gen)
+    ms = do_bench(lambda: decode_attention(q, cache, fmt, table, seq, fmt.head_size ** -0.5, splits, out, launch,
+                                           zero), warmup=10, rep=100)
     del cache, table
     torch.cuda.empty_cache()
     return ms
@@ -354,6 +432,9 @@ def launch_sweep_lines(res: dict) -> list[str]:
     return lines
 
 
+BF16_NAMES = ["sdpa cudnn", "sdpa efficient", "sdpa flash", "vllm TRITON_ATTN"]
+
+
 def render(res: dict) -> str:
     bw = res["read_bandwidth_gbps"]
     lines = [
@@ -364,20 +445,31 @@ def render(res: dict) -> str:
         "",
         "## Decode attention (one query token per request, per layer)",
         "",
-        f"OSCAR: split-KV INT2 decode + BF16 sink/window + LSE merge (default format: G=128, KB=128,"
-        f" S0=64, W=256) at the kernel's default launch per Hq/Hkv/D ({launch_text()}), what serving"
-        " runs. BF16: torch SDPA (flash) over dense BF16 K/V, the query heads of a KV head as its"
-        " queries. Bandwidth = bytes each really reads / time. Rows of a few tens of microseconds (batch 1"
-        " and 8) move by up to 2x between runs.",
+        f"OSCAR: split-KV decode of the quantized pages + BF16 sink/window + LSE merge (KB=128, S0=64, W=256),"
+        f" OSCAR INT2 (72 B per token and head) and the 80-byte tiers (`{PLANS['tiers 80 B']}`), at the kernel's"
+        f" default launch per Hq/Hkv/D ({launch_text()}), what serving runs. BF16: the fastest decode in the same"
+        " run over dense BF16 K/V, among torch SDPA under each backend that runs (cuDNN, efficient, flash; with"
+        " `enable_gqa`) and vLLM's TRITON_ATTN kernel (`unified_attention` on paged BF16 K/V, launched as its"
+        " metadata builder does); the winner is named. Bandwidth = bytes each really reads / time. Rows of a few"
+        " tens of microseconds (batch 1 and 8) move by up to 2x between runs.",
         "",
-        "| Hq/Hkv/D | batch | context | OSCAR ms | OSCAR GB/s (% of read bw) | BF16 SDPA ms | BF16 GB/s | speed-up |",
-        "|---|---|---|---|---|---|---|---|",
+        "| Hq/Hkv/D | batch | context | INT2 ms (GB/s, % of read bw) | tiers ms (GB/s, %) | tiers / INT2 |"
+        " best BF16 ms (which) | INT2 speed-up | tiers speed-up |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in res["decode"]:
+        a, t = r["OSCAR INT2"], r["tiers 80 B"]
         lines.append(
-            f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | {r['oscar_ms']:.3f} | "
-            f"{r['oscar_gbps']:.0f} ({100 * r['oscar_gbps'] / bw:.0f}%) | {r['bf16_sdpa_ms']:.3f} | "
-            f"{r['bf16_gbps']:.0f} | {r['speedup']:.2f}x |")
+            f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | {a['ms']:.3f} ({a['gbps']:.0f},"
+            f" {100 * a['gbps'] / bw:.0f}%) | {t['ms']:.3f} ({t['gbps']:.0f}, {100 * t['gbps'] / bw:.0f}%) |"
+            f" {t['ms'] / a['ms']:.2f} | {r['bf16_ms']:.3f} ({r['bf16']['best']}) | {a['speedup']:.2f}x |"
+            f" {t['speedup']:.2f}x |")
+    lines += ["", "Every BF16 decode timed (ms; `not run` with the reason where a backend refused):", "",
+              "| Hq/Hkv/D | batch | context | " + " | ".join(BF16_NAMES) + " |", "|---|---|---|" + "---|" * len(BF16_NAMES)]
+    for r in res["decode"]:
+        cells = [r["bf16"]["times"].get(n, "-") for n in BF16_NAMES]
+        lines.append(f"| {r['hq']}/{r['hkv']}/{r['d']} | {r['batch']} | {r['context']:,} | "
+                     + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells) + " |")
     lines += launch_sweep_lines(res)
     if "hybrid_blocks" in res:
         hb = res["hybrid_blocks"]
@@ -411,16 +503,19 @@ def render(res: dict) -> str:
         "## Write path",
         "",
         f"Fused store of {s['tokens']:,} new tokens x {s['hkv']} KV heads (one prefill chunk): read K/V BF16,"
-        " write INT2 pages (+ BF16 sink/window rows)"
+        " write the quantized pages (+ BF16 sink/window rows)"
         + f"; the kernel's default launch {s['launch']} (what serving runs)"
         + f" ({s['date']}, read bandwidth {s['read_bandwidth_gbps']:.0f} GB/s).",
         "",
-        "| kernel | ms | GB/s (% of read bw) |",
-        "|---|---|---|",
+        "| pages | kernel | ms | GB/s (% of read bw) |",
+        "|---|---|---|---|",
     ]
-    for name in ("store_rotated", "store_unrotated", "bf16_cache_copy"):
-        lines.append(f"| {name} | {s[name]['ms']:.3f} | {s[name]['gbps']:.0f}"
-                     f" ({100 * s[name]['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
+    for plan, row in [("OSCAR INT2", s)] + [(name, t) for name, t in s.get("tiers", {}).items()]:
+        for name in ("store_rotated", "store_unrotated"):
+            lines.append(f"| {plan} | {name} | {row[name]['ms']:.3f} | {row[name]['gbps']:.0f}"
+                         f" ({100 * row[name]['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
+    lines.append(f"| - | bf16_cache_copy | {s['bf16_cache_copy']['ms']:.3f} | {s['bf16_cache_copy']['gbps']:.0f}"
+                 f" ({100 * s['bf16_cache_copy']['gbps'] / s['read_bandwidth_gbps']:.0f}%) |")
     if s.get("sweep"):
         lines += ["", "Other launches in the same run (ms):", "", "| launch | rotated | unrotated |", "|---|---|---|"]
         lines += [f"| {r['launch']} | {r['store_rotated']['ms']:.3f} | {r['store_unrotated']['ms']:.3f} |"
@@ -459,17 +554,17 @@ def render(res: dict) -> str:
             "| cache | batch | attention ms/layer | store ms/layer | linear ms/layer | step ms | tokens/s |",
             "|---|---|---|---|---|---|---|",
         ]
-        for name in ("bf16", "oscar"):
+        for name in ["bf16", *PLANS]:
             r = p[name]
-            lines.append(f"| {name} | {p['batch'][name]} | {r['attention_ms_per_layer']:.3f} | "
+            lines.append(f"| {name} ({r['attention']}) | {p['batch'][name]} | {r['attention_ms_per_layer']:.3f} | "
                          f"{r['store_ms_per_layer']:.3f} | {r['linear_ms_per_layer']:.3f} | {r['step_ms']:.1f} | "
                          f"{r['tokens_per_s']:.0f} |")
-        lines += ["", f"Projected decode speed-up: **{p['speedup']:.2f}x**."]
-        if "store_graph_ms_per_layer" in p["oscar"]:
-            lines += ["", f"The store per call as timed above includes any gap its Python launch leaves; replayed"
-                          f" from a CUDA graph (as the serving job's decode batches run) it takes"
-                          f" {p['oscar']['store_graph_ms_per_layer']:.3f} ms per layer. The step above uses the"
-                          " per-call time."]
+        lines += ["", "Projected decode speed-up against the fastest BF16 decode: "
+                  + ", ".join(f"{name} **{x:.2f}x**" for name, x in p["speedup"].items()) + "."]
+        lines += ["", "The store per call as timed above includes any gap its Python launch leaves; replayed from"
+                      " a CUDA graph (as the serving job's decode batches run) it takes "
+                      + ", ".join(f"{p[n]['store_graph_ms_per_layer']:.3f} ms ({n})" for n in PLANS)
+                      + " per layer. The step above uses the per-call time."]
     check = REPO / "benchmarks" / "results" / "cuda_check.json"
     if check.exists():
         lines += cuda_check_section(json.loads(check.read_text()))
@@ -624,6 +719,7 @@ def main() -> None:
         partial.write_text(json.dumps(res, indent=2))
     if "store" in args.sections:
         res["store"] = {**bench_store(16384, 8, 128, gen), "date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
+                        "tiers": {name: bench_store(16384, 8, 128, gen, plan) for name, plan in PLANS.items() if plan},
                         "decode": [bench_store_decode(b, 8, 128, gen, launch) for b in (8, 32, 256)
                                    for launch in (None, default_store_launch(128))]}
         print(json.dumps(res["store"]), flush=True)

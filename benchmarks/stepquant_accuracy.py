@@ -64,7 +64,7 @@ def evaluate(kvq: dict | None, oscar: bool, needles: list[dict], windows: list[l
               max_num_batched_tokens=max(args.chunk * (wave + 1), 64), long_prefill_token_threshold=args.chunk,
               enable_prefix_caching=False, kv_cache_memory_bytes=1 << 30, seed=0, **kw)
     t0 = time.time()
-    from vllm_kvq.backends.state_pool import allocated_state_bytes
+    from evalkit.probe import allocated_state_bytes
 
     pool = sum(layer["page_bytes"] for layer in llm.apply_model(allocated_state_bytes)[0])
     result = {"state_bytes_per_request": pool}

@@ -68,7 +68,7 @@ def run(pool: str, args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_kvq.backends.state_pool import allocated_state_bytes
+    from evalkit.probe import allocated_state_bytes
 
     cuda = torch.cuda.is_available()
     model, plan, kw = setup(cuda)

@@ -5,13 +5,16 @@ Runs on a GPU machine with vLLM 0.32 (``bash scripts/h200.sh`` runs it):
 1. the reference ops give the same bytes and outputs on CUDA as on CPU;
 2. house-qwen3 (carried int8, restored to bf16: scripts/pack_for_gpu.py)
    generates with TRITON_ATTN and with OSCAR (Hadamard through the Triton
-   kernels, Hadamard through the reference ops on CUDA tensors, and the
-   bundled calibrated artifact) at the default sink 64 / window 256; on
-   200-token prompts (sink + window >= length) the greedy tokens of both
-   Hadamard runs must be equal to BF16's up to BF16's first near tie (top-2
-   margin < 0.25, found from the BF16 run alone) in every prompt; whole
-   sequences are reported too;
-3. on 1500-token prompts (INT2 active) the distance to BF16 is reported.
+   kernels, Hadamard through the reference ops on CUDA tensors, the bundled
+   calibrated artifact, and the bundled tiered artifact through the Triton
+   kernels and through the reference ops) at the default sink 64 / window
+   256; on 200-token prompts (sink + window >= length) the greedy tokens of
+   the Hadamard and tiered runs must be equal to BF16's up to BF16's first
+   near tie (top-2 margin < 0.25, found from the BF16 run alone) in every
+   prompt; whole sequences are reported too;
+3. on 1500-token prompts (quantized rows read) the distance to BF16 is
+   reported, and the tiered Triton run must equal the tiered reference run
+   up to that run's first near tie.
 
 Each engine runs in its own process. Results go to ``$OUT/cuda_check.json``.
 """
@@ -113,27 +116,33 @@ def check_ops() -> dict:
     import torch
 
     from vllm_kvq.kernels.oscar import reference as ref
-    from vllm_kvq.kernels.oscar.format import OscarFormat
+    from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat
 
-    torch.manual_seed(0)
-    fmt = OscarFormat(head_size=128, group_size=128, block_size=128, sink=16, window=64)
-    n, h, g = 700, 8, 4
-    q, k, v = torch.randn(n, h * g, 128), torch.randn(n, h, 128), torch.randn(n, h, 128)
-    row = torch.arange(1, 1 + fmt.state_blocks + 6, dtype=torch.int32)
-    res = {}
-    for dev in ("cpu", "cuda"):
-        cache = torch.zeros(32, h, 128, fmt.bytes_per_token, dtype=torch.uint8, device=dev)
-        outs, start = [], 0
-        for size in (300, 64, 1, 335):
-            outs.append(ref.attend_and_write(ref.PageViews(cache, fmt), fmt, row.to(dev), start,
-                                             q[start:start + size].to(dev), k[start:start + size].to(dev),
-                                             v[start:start + size].to(dev), 0.96, 0.92, 0.088))
-            start += size
-        res[dev] = (cache.cpu(), torch.cat(outs).cpu())
-    data = row[fmt.state_blocks:].long()
-    same_codes = bool(torch.equal(res["cpu"][0][data], res["cuda"][0][data]))
-    max_out = (res["cpu"][1] - res["cuda"][1]).abs().max().item()
-    return {"pages_identical_cpu_vs_cuda": same_codes, "max_abs_output_diff_cpu_vs_cuda": max_out}
+    out = {}
+    for name, tiers in (("int2", None), ("tiers", LayerTiers.parse("k=48x4,80x2;v=16x4,48x2,64x0"))):
+        torch.manual_seed(0)
+        fmt = OscarFormat(head_size=128, block_size=128, sink=16, window=64, tiers=tiers)
+        n, h, g = 700, 8, 4
+        q, k, v = torch.randn(n, h * g, 128), torch.randn(n, h, 128), torch.randn(n, h, 128)
+        fill = (None, torch.randn(h, fmt.v.zero) if fmt.v.zero else None)
+        row = torch.arange(1, 1 + fmt.state_blocks + 6, dtype=torch.int32)
+        res = {}
+        for dev in ("cpu", "cuda"):
+            cache = torch.zeros(32, h, 128, fmt.bytes_per_token, dtype=torch.uint8, device=dev)
+            fills = tuple(None if f is None else f.to(dev) for f in fill)
+            outs, start = [], 0
+            for size in (300, 64, 1, 335):
+                outs.append(ref.attend_and_write(ref.PageViews(cache, fmt), fmt, row.to(dev), start,
+                                                 q[start:start + size].to(dev), k[start:start + size].to(dev),
+                                                 v[start:start + size].to(dev), 0.96, 0.92, 0.088, fills))
+                start += size
+            res[dev] = (cache.cpu(), torch.cat(outs).cpu())
+        data = row[fmt.state_blocks:].long()
+        out[f"{name}_pages_identical_cpu_vs_cuda"] = bool(torch.equal(res["cpu"][0][data], res["cuda"][0][data]))
+        out[f"{name}_max_abs_output_diff_cpu_vs_cuda"] = (res["cpu"][1] - res["cuda"][1]).abs().max().item()
+    out["pages_identical_cpu_vs_cuda"] = out["int2_pages_identical_cpu_vs_cuda"] and out[
+        "tiers_pages_identical_cpu_vs_cuda"]
+    return out
 
 
 def main() -> None:
@@ -144,12 +153,15 @@ def main() -> None:
     summary = {"ops": check_ops()}
     print("ops:", summary["ops"], flush=True)
     make_model()
-    artifact = Path(__file__).resolve().parents[1] / "examples" / "artifacts" / "house-qwen3-oscar"
+    artifacts = Path(__file__).resolve().parents[1] / "examples" / "artifacts"
+    tiered = str(artifacts / "house-qwen3-auto80")  # the default: plans calibration chose at 80 B
     runs = {
         "bf16": ("TRITON_ATTN", "{}"),
         "oscar_hadamard": ("OSCAR", json.dumps({"rotation": "hadamard"})),
         "oscar_reference_ops": ("OSCAR", json.dumps({"rotation": "hadamard", "kernels": "reference"})),
-        "oscar_calibrated": ("OSCAR", json.dumps({"artifact": str(artifact)})),
+        "oscar_calibrated": ("OSCAR", json.dumps({"artifact": str(artifacts / "house-qwen3-oscar")})),
+        "oscar_tiered": ("OSCAR", json.dumps({"artifact": tiered})),
+        "oscar_tiered_reference_ops": ("OSCAR", json.dumps({"artifact": tiered, "kernels": "reference"})),
     }
     if len(sys.argv) > 1:  # a subset, e.g. ``bf16 oscar_hadamard``
         runs = {name: runs[name] for name in sys.argv[1:]}
@@ -170,12 +182,22 @@ def main() -> None:
     prefix = decidable_prefix(base["short"])
     summary["decidable_prefix_per_prompt"] = prefix
     summary["decidable_tokens"] = sum(prefix)
-    exact_runs = [n for n in ("oscar_hadamard", "oscar_reference_ops") if n in results]
+    exact_runs = [n for n in ("oscar_hadamard", "oscar_reference_ops", "oscar_tiered", "oscar_tiered_reference_ops")
+                  if n in results]
     for n in exact_runs:
         summary[n]["exact_on_decidable_prefix"] = all(
             a[:k] == b[:k] for a, b, k in zip(results[n]["short"]["tokens"], base["short"]["tokens"], prefix))
     summary["exact_ok"] = (sum(prefix) >= 128 and bool(exact_runs) and summary["ops"]["pages_identical_cpu_vs_cuda"]
                            and all(summary[n]["exact_on_decidable_prefix"] for n in exact_runs))
+    if {"oscar_tiered", "oscar_tiered_reference_ops"} <= set(results):
+        ref_long = results["oscar_tiered_reference_ops"]["long"]
+        long_prefix = decidable_prefix(ref_long)
+        summary["tiered_triton_vs_reference_long"] = {
+            **compare(results["oscar_tiered"]["long"], ref_long), "decidable_tokens": sum(long_prefix),
+            "equal_on_decidable_prefix": all(a[:k] == b[:k] for a, b, k in zip(
+                results["oscar_tiered"]["long"]["tokens"], ref_long["tokens"], long_prefix))}
+        summary["exact_ok"] = summary["exact_ok"] and summary["tiered_triton_vs_reference_long"][
+            "equal_on_decidable_prefix"]
     (OUT / "cuda_check.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     if not summary["exact_ok"]:

@@ -179,7 +179,7 @@ def engine(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_kvq.backends.state_pool import allocated_state_bytes
+    from evalkit.probe import allocated_state_bytes, count_fused_decodes
 
     # the bundle has no FlashInfer: vLLM's Triton GDN prefill
     extra = {"gdn_prefill_backend": "triton"}
@@ -203,6 +203,7 @@ def engine(job: dict) -> dict:
               attention_backend=backend, mamba_ssm_cache_dtype="float32",
               gpu_memory_utilization=job["mem"], max_model_len=job["max_len"], enable_prefix_caching=False, seed=0,
               **kw)
+    llm.apply_model(count_fused_decodes)
     g = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, 8000, (job["prompt_len"],), generator=g).tolist())
                for _ in range(job["requests"])]

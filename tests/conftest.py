@@ -31,10 +31,9 @@ def needles(max_tokens: int = 4096, limit: int | None = None, min_tokens: int = 
     return rows[:limit] if limit else rows
 
 
-def make_llm(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
-    """A small CPU engine; ``oscar`` (the kvq settings) selects the OSCAR backend."""
-    from vllm import LLM
-
+def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs) -> dict:
+    """The arguments of a small CPU engine; ``oscar`` (the kvq settings)
+    selects the OSCAR backend."""
     args = dict(
         model=model_path(model),
         max_model_len=4096,
@@ -49,7 +48,25 @@ def make_llm(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
     if oscar is not None:
         args.update(attention_backend="OSCAR", additional_config={"kvq": oscar})
     args.update(kwargs)
-    return LLM(**args)
+    return args
+
+
+def make_llm(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
+    """A small CPU engine (:func:`engine_args`)."""
+    from vllm import LLM
+
+    return LLM(**engine_args(model, oscar, **kwargs))
+
+
+def engine_config(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
+    """The VllmConfig such an engine would get, with every start-up check run,
+    without starting the engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    import vllm_kvq
+
+    vllm_kvq.register()
+    return EngineArgs(**engine_args(model, oscar, **kwargs)).create_engine_config()
 
 
 def shutdown(llm) -> None:

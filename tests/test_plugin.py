@@ -34,3 +34,15 @@ def test_entry_point_is_declared():
 
     eps = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
     assert eps.get("kvq") == "vllm_kvq:register"
+
+
+def test_another_vllm_version_is_refused_at_start(monkeypatch):
+    import pytest
+    import vllm
+
+    from vllm_kvq import hooks
+
+    hooks.check_version()  # the installed one is supported
+    monkeypatch.setattr(vllm, "__version__", "0.33.1")
+    with pytest.raises(RuntimeError, match="vllm-kvq supports vLLM 0.32 \\(found 0.33.1\\); install vllm==0.32"):
+        hooks.check_version()

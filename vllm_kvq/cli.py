@@ -11,6 +11,8 @@
 * ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
 * ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
   the OSCAR authors' RotationZoo files.
+* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...] [--accuracy JSON ...]``
+  writes a markdown page and PNG plots of what the cache formats hold on MODEL.
 """
 
 from __future__ import annotations
@@ -104,16 +106,21 @@ def calibrate(argv: list[str]) -> None:
     ap.add_argument("--horizon", type=int, default=None, help="--stepquant: lifetime horizon H in tokens (2048)")
     ap.add_argument("--snapshots", type=int, default=None,
                     help="--stepquant: state snapshots kept per GDN layer to score widths on (64)")
-    ap.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head")
-    ap.add_argument("--tiers", help="tiered rows, strongest eigen-directions first: per kind WIDTHxBITS,... "
-                    "with widths multiples of 8 summing to head_dim and bits 0, 2 or 4 (0: not stored, read "
-                    "back as the calibrated mean), e.g. 'k=48x4,80x2;v=16x4,48x2,64x0' (kv_head only)")
+    ap.add_argument("--bytes-per-token", type=int, default=None,
+                    help="bytes per token and KV head (K and V together) to choose each layer's tiers for, from the "
+                         "error each candidate makes on the held-out window (default 80; OSCAR INT2 takes 72)")
+    ap.add_argument("--tiers", help="the same tiers for every layer instead, strongest eigen-directions first: per "
+                    "kind WIDTHxBITS,... with widths multiples of 16 summing to head_dim, bits 4, then 2, then 0 "
+                    "(not stored, read back as the calibrated mean), e.g. 'k=48x4,80x2;v=16x4,48x2,64x0'; or "
+                    "'int2' for a plain OSCAR INT2 artifact (every direction at 2 bits)")
+    ap.add_argument("--granularity", choices=("kv_head", "layer"), default="kv_head",
+                    help="rotations per KV head or shared per layer (layer: --tiers int2 only)")
     ap.add_argument("--value-target", choices=("proxy", "exact"), default="proxy",
                     help="proxy: V^T diag(k C_Q k^T) V; exact: V^T S^T S V from the causal softmax")
-    ap.add_argument("--clip", choices=("fixed", "fitted"), default="fixed")
+    ap.add_argument("--clip", choices=("fixed", "fitted"), default="fixed",
+                    help="fitted: INT2 clip ratios per layer on the held-out window (--tiers int2 only)")
     ap.add_argument("--k-clip", type=float, default=0.96)
     ap.add_argument("--v-clip", type=float, default=0.92)
-    ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--sink", type=int, default=64)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--device", default="cpu")
@@ -126,24 +133,20 @@ def calibrate(argv: list[str]) -> None:
         ap.error("--pivot-fraction, --horizon and --snapshots need --stepquant")
     from vllm_kvq.artifacts import ArtifactError, OscarArtifact
     from vllm_kvq.artifacts.inspect import summary
-    from vllm_kvq.artifacts.schema import parse_tiers
+    from vllm_kvq.calib.calibrate import BYTES_PER_TOKEN, INT2
     from vllm_kvq.calib.calibrate import calibrate as run
+    from vllm_kvq.kernels.oscar.format import LayerTiers, TierError
 
     try:
-        tiers = None
-        if a.tiers is not None:
-            if a.granularity != "kv_head":
-                raise ArtifactError("--tiers needs --granularity kv_head (each KV head's own eigenbasis is cut "
-                                    f"into tiers); drop --granularity {a.granularity}")
-            if a.clip == "fitted":
-                raise ArtifactError("--clip fitted fits one clip ratio per layer to whole INT2 rows, not to "
-                                    "tiers; drop --clip fitted with --tiers")
-            tiers = parse_tiers(a.tiers)
+        if a.tiers is not None and a.bytes_per_token is not None:
+            raise ArtifactError("--tiers fixes the plan, --bytes-per-token searches one; give one of them")
+        tiers = None if a.tiers is None else INT2 if a.tiers == INT2 else LayerTiers.parse(a.tiers)
         out = run(a.model, a.data, a.out, tokens=30000 if a.tokens is None else a.tokens, seq_len=a.seq_len,
                   granularity=a.granularity, value_target=a.value_target, clip=a.clip, k_clip=a.k_clip,
-                  v_clip=a.v_clip, group_size=a.group_size, sink=a.sink, window=a.window, device=a.device,
-                  dtype=a.dtype, tokenizer=a.tokenizer, tiers=tiers)
-    except ArtifactError as e:
+                  v_clip=a.v_clip, sink=a.sink, window=a.window, device=a.device, dtype=a.dtype,
+                  tokenizer=a.tokenizer, tiers=tiers,
+                  bytes_per_token=BYTES_PER_TOKEN if a.bytes_per_token is None else a.bytes_per_token)
+    except (ArtifactError, TierError) as e:
         ap.error(str(e))
     print(summary(OscarArtifact.load(out)))
 
@@ -171,7 +174,7 @@ def inspect(argv: list[str]) -> None:
     a = ap.parse_args(argv)
     from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
     from vllm_kvq.artifacts.inspect import stepquant_summary, summary
-    from vllm_kvq.artifacts.schema import artifact_kind
+    from vllm_kvq.artifacts.container import kind_of
     from vllm_kvq.artifacts.stepquant import StepQuantPlan
 
     try:
@@ -180,7 +183,7 @@ def inspect(argv: list[str]) -> None:
             from transformers import AutoConfig
 
             fp = model_fingerprint(AutoConfig.from_pretrained(a.model))
-        if artifact_kind(a.artifact) == "stepquant":
+        if kind_of(a.artifact) == "stepquant":
             print(stepquant_summary(StepQuantPlan.load(a.artifact, fp)))
         else:
             print(summary(OscarArtifact.load(a.artifact, fp)))
@@ -208,7 +211,33 @@ def import_zoo(argv: list[str]) -> None:
     print(summary(art))
 
 
-COMMANDS = {"serve": serve, "calibrate": calibrate, "inspect": inspect, "import-zoo": import_zoo}
+def report(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(
+        prog="vllm-kvq report",
+        description="KV capacity, bits per element, GDN state memory and measured accuracy of BF16, OSCAR INT2 "
+                    "and the given artifacts on one model, from the page formats (markdown and PNG plots).")
+    ap.add_argument("model", help="checkpoint directory (transformers format)")
+    ap.add_argument("--artifact", action="append", default=[],
+                    help="an OSCAR, tiered or STEPQuant artifact of this model (repeat for several)")
+    ap.add_argument("--out", default="report", help="directory for MODEL.md and its plots (default: report)")
+    ap.add_argument("--kv-budget", nargs="+", default=["1GiB"], metavar="BYTES",
+                    help="KV-cache memory budgets: bytes, or with KiB/MiB/GiB (default 1GiB)")
+    ap.add_argument("--accuracy", action="append", metavar="JSON",
+                    help="accuracy results to take the rows measured with these artifacts from (repeat for several; "
+                         "default: this checkout's benchmarks/results/accuracy-MODEL.json, if there is one)")
+    a = ap.parse_args(argv)
+    import shlex
+
+    from vllm_kvq.report import parse_bytes, write_report
+
+    try:  # ArtifactError is a ValueError
+        budgets = [parse_bytes(b) for b in a.kv_budget]
+        print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv]), a.accuracy))
+    except ValueError as e:
+        ap.error(str(e))
+
+
+COMMANDS = {"serve": serve, "calibrate": calibrate, "inspect": inspect, "import-zoo": import_zoo, "report": report}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -48,7 +48,7 @@ def test_round_trip_and_interface(tmp_path):
     assert back.pivots(6, 3) == [0] and back.pivots(6, 0) == []
     assert back.layout(6, 3).bits == (16, 4, 4, 8)
     manifest = json.loads((tmp_path / "p" / "manifest.json").read_text())
-    assert manifest["format"] == "vllm-kvq" and manifest["format_version"] == 1 and manifest["kind"] == "stepquant"
+    assert manifest["format"] == "vllm-kvq" and manifest["format_version"] == 2 and manifest["kind"] == "stepquant"
     assert not list((tmp_path / "p").glob("*.pt"))
     with pytest.raises(ArtifactError, match="no plan for budget 5"):
         back.head_bits(5, 0)
@@ -99,7 +99,7 @@ def _set_bits(budget, layer, widths):
     ("impact_scale", "impact.0 is not normalised"),
     ("log_decay_positive", "log_decay.1 has positive entries"),
     ("log_decay_shape", "log_decay.1 has shape \\(5,\\), expected \\(4,\\)"),
-    ("version", "unknown format_version 2"),
+    ("version", "unknown format_version 9"),
     ("format", "format 'other' is not 'vllm-kvq'"),
     ("kind", "unknown artifact kind 'mystery'"),
     ("lacks", "manifest lacks \\['k_dim'\\]"),
@@ -136,7 +136,7 @@ def test_each_defect_is_named(tmp_path, case, match):
         "impact_scale": dict(edit_tensors=impact_edit(0, lambda w: w * 2)),
         "log_decay_positive": dict(edit_tensors=lambda t: t.update({"log_decay.1": torch.ones(4, dtype=torch.float64)})),
         "log_decay_shape": dict(edit_tensors=lambda t: t.update({"log_decay.1": -torch.ones(5, dtype=torch.float64)})),
-        "version": dict(edit_manifest=lambda m: m.update(format_version=2)),
+        "version": dict(edit_manifest=lambda m: m.update(format_version=9)),
         "format": dict(edit_manifest=lambda m: m.update(format="other")),
         "kind": dict(edit_manifest=lambda m: m.update(kind="mystery")),
         "lacks": dict(edit_manifest=lambda m: m.pop("k_dim")),

@@ -33,8 +33,10 @@ def channel_int2(keys: torch.Tensor, pairs: str = "fp16", positions: int = 32) -
 
 
 class KiviStandalone:
-    def __init__(self, model_dir: str, sink: int, window: int, group: int, pairs: str = "fp16", artifact=None):
-        self.sink, self.window, self.group, self.pairs, self.art = sink, window, group, pairs, artifact
+    """KIVI keys (per channel, ``pairs`` fp16 or int8) and per-token INT2 values, unrotated and unclipped."""
+
+    def __init__(self, model_dir: str, sink: int, window: int, pairs: str = "fp16"):
+        self.sink, self.window, self.pairs = sink, window, pairs
         name = "kvq_kivi_standalone"
         AttentionInterface.register(name, self._attention)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name)
@@ -48,19 +50,15 @@ class KiviStandalone:
         dist = pos[:, None] - pos[None, :]
         use_bf16 = (pos[None, :] < self.sink) | (dist < self.window)
         out = torch.empty(t, hq, d)
-        rv, v_clip = torch.eye(d).expand(hkv, d, d), 1.0
-        if self.art is not None:
-            rv = self.art.rotation_for("v", module.layer_idx, list(range(hkv)))
-            v_clip = self.art.v_clip[module.layer_idx]
         for h in range(hq):
             j = h // g
             k = key[0, j].float().bfloat16().float()
-            v = (value[0, j].float() @ rv[j]).bfloat16().float()
-            k_lo, v_lo = channel_int2(k, self.pairs), naive_int2(v, self.group, v_clip)
+            v = value[0, j].float().bfloat16().float()
+            k_lo, v_lo = channel_int2(k, self.pairs), naive_int2(v, 1.0)
             q = query[0, h].float()
             logits = torch.where(use_bf16, q @ k.T, q @ k_lo.T) * scaling
             p = torch.softmax(logits.masked_fill(dist < 0, float("-inf")), dim=-1)
-            out[:, h] = ((p * use_bf16) @ v + (p * ~use_bf16) @ v_lo) @ rv[j].T
+            out[:, h] = (p * use_bf16) @ v + (p * ~use_bf16) @ v_lo
         return out.unsqueeze(0), None
 
     @torch.no_grad()

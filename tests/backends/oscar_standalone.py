@@ -10,33 +10,51 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 
-def naive_int2(rows: torch.Tensor, group: int, clip: float) -> torch.Tensor:
-    """Clip each row, then min-max INT2 per group with fp16 (scale, min)."""
-    d = rows.shape[-1]
-    x = rows.clone()
-    if clip < 1.0:
-        thr = x.abs().sort(dim=-1).values[..., min(int(clip * d), d - 1)].unsqueeze(-1)
-        x = torch.where(x > thr, thr, torch.where(x < -thr, -thr, x))
-    out = torch.empty_like(x)
-    for g0 in range(0, d, group):
-        seg = x[..., g0 : g0 + group]
-        lo = seg.min(dim=-1, keepdim=True).values
-        hi = seg.max(dim=-1, keepdim=True).values
-        scale = torch.clamp((hi - lo) / 3, min=1e-8).half().float()
-        lo = lo.half().float()
-        q = torch.clamp(torch.floor((seg - lo) / scale + 0.5), 0, 3)
-        out[..., g0 : g0 + group] = q * scale + lo
-    return out
+def _minmax(seg: torch.Tensor, levels: int) -> torch.Tensor:
+    lo = seg.min(dim=-1, keepdim=True).values
+    hi = seg.max(dim=-1, keepdim=True).values
+    scale = torch.clamp((hi - lo) / levels, min=1e-8).half().float()
+    lo = lo.half().float()
+    return torch.clamp(torch.floor((seg - lo) / scale + 0.5), 0, levels) * scale + lo
+
+
+def _clip(x: torch.Tensor, clip: float) -> torch.Tensor:
+    if clip >= 1.0:
+        return x
+    d = x.shape[-1]
+    thr = x.abs().sort(dim=-1).values[..., min(int(clip * d), d - 1)].unsqueeze(-1)
+    return torch.where(x > thr, thr, torch.where(x < -thr, -thr, x))
+
+
+def naive_int2(rows: torch.Tensor, clip: float) -> torch.Tensor:
+    """Clip each row, then min-max INT2 over the row with fp16 (scale, min)."""
+    return _minmax(_clip(rows, clip), 3)
+
+
+def naive_tiers(rows: torch.Tensor, tiers: list[tuple[int, int]], clip: float, fill) -> torch.Tensor:
+    """Rows cut into ``(width, bits)`` tiers, strongest first: INT4 min-max
+    (15 levels, unclipped), INT2 clipped then min-max, 0-bit ``fill``."""
+    parts, at = [], 0
+    for width, bits in tiers:
+        seg = rows[..., at : at + width]
+        if bits == 4:
+            parts.append(_minmax(seg, 15))
+        elif bits == 2:
+            parts.append(_minmax(_clip(seg, clip), 3))
+        else:
+            parts.append(fill.float().expand_as(seg))
+        at += width
+    return torch.cat(parts, dim=-1)
 
 
 class OscarStandalone:
     """``codec(kind, layer, kv_head, rows)``: the rows a reader sees (default:
-    :func:`naive_int2` per group with the artifact's clip ratios)."""
+    :func:`naive_int2` with the artifact's clip ratios)."""
 
-    def __init__(self, model_dir: str, artifact, sink: int, window: int, group: int, codec=None):
-        self.art, self.sink, self.window, self.group = artifact, sink, window, group
+    def __init__(self, model_dir: str, artifact, sink: int, window: int, codec=None):
+        self.art, self.sink, self.window = artifact, sink, window
         self.codec = codec or (lambda kind, layer, head, rows: naive_int2(
-            rows, group, (artifact.k_clip if kind == "k" else artifact.v_clip)[layer]))
+            rows, (artifact.k_clip if kind == "k" else artifact.v_clip)[layer]))
         name = "kvq_oscar_standalone"
         AttentionInterface.register(name, self._attention)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=name)

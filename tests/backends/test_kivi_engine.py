@@ -29,10 +29,8 @@ def kivi(request):
 def test_kivi_path_matches_standalone_pytorch(kivi, greedy):
     from tests.backends.kivi_standalone import KiviStandalone
     from tests.backends.oscar_standalone import assert_matches_standalone
-    from vllm_kvq.artifacts import OscarArtifact
 
     llm, kvq = kivi
-    art = OscarArtifact.load(kvq["artifact"]) if "artifact" in kvq else None
-    ref = KiviStandalone(model_path(), kvq["sink"], kvq["window"], 128, kvq.get("key_pairs", "fp16"), art)
+    ref = KiviStandalone(model_path(), kvq["sink"], kvq["window"], kvq.get("key_pairs", "fp16"))
     prompts = [r["prompt"] for r in needles(max_tokens=1200, limit=4)]
     assert_matches_standalone(llm, prompts, ref, greedy(8, prompt_logprobs=0, logprobs=0), "KIVI")

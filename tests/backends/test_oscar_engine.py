@@ -184,6 +184,6 @@ def test_int2_path_matches_standalone_pytorch(int2_small_chunks, greedy):
 
     cfg = AutoConfig.from_pretrained(model_path())
     art = builtin_artifact(model_fingerprint(cfg), "hadamard", k_clip=INT2["k_clip"], v_clip=INT2["v_clip"])
-    ref = OscarStandalone(model_path(), art, INT2["sink"], INT2["window"], 128)
+    ref = OscarStandalone(model_path(), art, INT2["sink"], INT2["window"])
     prompts = _needle_prompts(4)
     assert_matches_standalone(int2_small_chunks, prompts, ref, greedy(8, prompt_logprobs=0, logprobs=0), "OSCAR")

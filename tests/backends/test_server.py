@@ -2,7 +2,7 @@
 that hang up mid-stream and bad requests: no server error, a 4xx with a
 message for each bad request, and greedy text equal to offline vLLM.
 
-One server per module (fp32, the calibrated artifact at group size 64). The
+One server per module (fp32, the calibrated INT2 artifact). The
 references come from offline engines with the same settings: CPU_ATTN where
 the BF16 sink and window cover the whole sequence (nothing is read as INT2),
 OSCAR itself for prompts long enough to read INT2 rows.
@@ -25,7 +25,7 @@ from tests.conftest import REPO, make_llm, model_path, needles, shutdown
 pytestmark = pytest.mark.slow
 
 MAX_LEN = 2048
-KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar"), "group_size": 64}
+KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar")}
 SHORT_TOKENS = 16  # generated per short prompt; prompt + these stay inside sink + window (320)
 LONG_TOKENS = 24
 

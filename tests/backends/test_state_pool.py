@@ -12,7 +12,7 @@ import pytest
 
 from tests.conftest import REPO, make_llm, needles, shutdown
 from vllm_kvq.artifacts.stepquant import StepQuantPlan
-from vllm_kvq.backends.state_pool import allocated_state_bytes
+from evalkit.probe import allocated_state_bytes
 
 pytestmark = pytest.mark.slow
 PLAN = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"
@@ -97,7 +97,7 @@ def stepquant_with_oscar(greedy, prompts):
     """STEPQuant @6 on the GDN layers and OSCAR INT2 on the attention layers
     of the same model (sink 16, window 32, so INT2 is read)."""
     kvq = {"state": "stepquant", "state_artifact": str(PLAN), "state_bits": 6,
-           "artifact": str(OSCAR), "sink": 16, "window": 32}
+           "artifact": str(OSCAR), "sink": 16, "window": 32, "override_artifact": True}
     return kvq, run(greedy, prompts, kvq, return_ranks=True, attention_backend="OSCAR")
 
 
@@ -169,9 +169,9 @@ def test_cuda_graph_modes_the_state_pool_takes(mode, kvq, message):
     from vllm.config import CompilationConfig, CUDAGraphMode
 
     from tests.conftest import model_path
-    from vllm_kvq import settings as kvq_settings
+    from vllm_kvq.backends import settings as kvq_settings
+    from vllm_kvq.backends.resolve import pool_plan
     from vllm_kvq.backends.startup import _check_state_graphs
-    from vllm_kvq.backends.state_pool import pool_plan
 
     k_dim = kvq.pop("k_dim", None)
     s = kvq_settings.OscarSettings.from_dict({"state": "uniform", **kvq})

@@ -5,7 +5,8 @@ processes) runs the fused store, the extend kernel for the 64-token prefill
 chunks and the split-KV decode in Triton's interpreter, with the metadata the
 builder makes for CUDA. Its tokens and logprobs must match the reference path,
 on a dense model and on a gated-delta-net hybrid, whose attention blocks vLLM
-makes long (400 tokens here) to match its state pages.
+makes long (400 tokens here) to match its state pages, and with a tiered
+artifact.
 """
 
 import os
@@ -19,10 +20,12 @@ pytestmark = pytest.mark.slow
 
 INT2 = {"rotation": "hadamard", "sink": 16, "window": 32, "k_clip": 0.96, "v_clip": 0.92}
 POOL = {"state": "stepquant", "state_artifact": str(REPO / "examples" / "artifacts" / "house-qwen3next-stepquant")}
+TIERED = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-tiered"), "sink": 16, "window": 32,
+          "override_artifact": True}
 
 
-def _run(kernels: str, prompts, params, model="house-qwen3next", kvq=None, **kw):
-    llm = make_llm(model, oscar={**INT2, **(kvq or {}), "kernels": kernels}, max_model_len=1024,
+def _run(kernels: str, prompts, params, model="house-qwen3next", kvq=INT2, **kw):
+    llm = make_llm(model, oscar={**kvq, "kernels": kernels}, max_model_len=1024,
                    max_num_batched_tokens=64, enable_chunked_prefill=True, max_num_seqs=4, **kw)
     try:
         return llm.apply_model(_attention_block)[0], llm.generate(prompts, params, use_tqdm=False)
@@ -68,11 +71,17 @@ def test_triton_path_matches_reference_path(greedy, monkeypatch):
     assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.03
 
 
+def test_tiered_triton_path_matches_reference_path(greedy, monkeypatch):
+    """A tiered artifact (INT4, INT2 and not-stored tiers) through the same kernels."""
+    _, diffs = _compare(greedy, monkeypatch, model="house-qwen3", dtype="float32", kvq=TIERED)
+    assert max(diffs) < 0.2 and sum(diffs) / len(diffs) < 0.03
+
+
 def test_hybrid_triton_path_with_state_pool(greedy, monkeypatch):
     """house-qwen3next's two attention layers through the Triton kernels at
     the hybrid's long blocks, its GDN states in the STEPQuant pool (the same
     pool in both runs, reference codec on CPU)."""
-    block, diffs = _compare(greedy, monkeypatch, kvq=POOL, dtype="bfloat16")
+    block, diffs = _compare(greedy, monkeypatch, kvq={**INT2, **POOL}, dtype="bfloat16")
     # vLLM sizes the block to the packed state page: not a power of two, so decode's
     # and extend's last step a page is partial
     assert block >= 256 and block & (block - 1)

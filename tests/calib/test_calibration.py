@@ -6,8 +6,9 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import MODELS, REPO
+from tests.conftest import MODELS, REPO, model_path
 from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
+from vllm_kvq.calib.calibrate import calibrate
 from vllm_kvq.calib.rotation import bit_reversal_permutation, oscar_rotation
 
 
@@ -68,14 +69,14 @@ def test_streamed_statistics_match_a_direct_computation(tiny_model):
 
 
 @pytest.mark.parametrize("granularity,target,clip", [("kv_head", "proxy", "fixed"), ("layer", "exact", "fitted")])
-def test_calibrate_writes_a_valid_artifact(tiny_model, tmp_path, granularity, target, clip):
+def test_calibrate_writes_a_valid_int2_artifact(tiny_model, tmp_path, granularity, target, clip):
     from transformers import AutoConfig
 
-    from vllm_kvq.calib.calibrate import calibrate
+    from vllm_kvq.calib.calibrate import INT2, calibrate
 
     out = calibrate(str(tiny_model), str(REPO.parent / "shared" / "eval" / "code-dev.txt.gz"), str(tmp_path / "a"),
                     tokens=512, seq_len=256, granularity=granularity, value_target=target, clip=clip,
-                    group_size=32, sink=16, window=32, tokenizer=str(MODELS / "house-qwen3"))
+                    sink=16, window=32, tokenizer=str(MODELS / "house-qwen3"), tiers=INT2)
     art = OscarArtifact.load(out, model_fingerprint(AutoConfig.from_pretrained(tiny_model)))
     shape = (2, 32, 32) if granularity == "kv_head" else (32, 32)
     assert art.k_rotation[0].shape == shape and art.provenance["value_target"] == target
@@ -108,16 +109,38 @@ def test_rotation_zoo_import(tmp_path, version):
 
 
 class _Payload:
+    """Unpickling it creates the file ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
     def __reduce__(self):
-        return (print, ("pickled code ran",))
+        return (open, (self.marker, "w"))
 
 
 def test_rotation_zoo_refuses_pickled_code(tmp_path):
     from vllm_kvq.calib.zoo import read_zoo
 
-    torch.save({"format_version": 1, "layers": {"0": {"rotation": _Payload()}}}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="Weights only load failed|Unsupported"):
+    marker = tmp_path / "payload-ran"
+    torch.save({"format_version": 1, "layers": {"0": {"rotation": _Payload(marker)}}}, tmp_path / "evil.pt")
+    with pytest.raises(ArtifactError, match="pickled objects, which are never run"):
         read_zoo(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing model", "cannot read a model config from .*nowhere.*checkpoint directory"),
+    ("missing data", "--data .*absent.txt: no such file"),
+    ("empty data", "--data .*empty.txt is empty"),
+    ("short windows", "--seq-len 256 must exceed --sink \\+ --window \\(320\\)"),
+])
+def test_calibrate_refuses_bad_input_before_loading(tmp_path, case, match):
+    (tmp_path / "empty.txt").write_text("\n")
+    model = str(tmp_path / "nowhere") if case == "missing model" else str(model_path())
+    data = {"missing data": "absent.txt", "empty data": "empty.txt"}.get(case, "empty.txt")
+    with pytest.raises(ArtifactError, match=match):
+        calibrate(model, str(tmp_path / data), str(tmp_path / "out"), seq_len=256 if case == "short windows" else 2048)
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_cli():
@@ -125,7 +148,7 @@ def test_inspect_cli():
     ok = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(art), "--model",
                          str(MODELS / "house-qwen3")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert "valid (schema v1)" in ok.stdout and "kv_head granularity over 6 attention layers" in ok.stdout
+    assert ": valid" in ok.stdout and "kv_head granularity over 6 attention layers" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(art), "--model",
                           str(MODELS / "house-qwen2")], capture_output=True, text=True)
     assert bad.returncode == 1 and "different model" in bad.stderr
@@ -134,22 +157,23 @@ def test_inspect_cli():
 def test_fitted_clip_errors_are_attention_output_errors():
     """Each grid point's error is the relative attention-output error of the
     INT2 cache at that clip (keys first, then values at the chosen key clip)."""
+    from tests.backends.oscar_standalone import naive_int2
     from vllm_kvq.calib.fit import CLIP_GRID, fit_clip
-    from vllm_kvq.kernels.oscar.reference import fake_quantize, mixed_attention
+    from vllm_kvq.kernels.oscar.reference import mixed_attention
 
     torch.manual_seed(0)
     h, g, t, d = 2, 2, 96, 32
     held = {"q": torch.randn(h * g, t, d), "k": torch.randn(h, t, d), "v": torch.randn(h, t, d), "scale": 0.2}
     held["k"][..., 3] *= 8
     rk, rv = torch.eye(d), torch.eye(d)
-    ck, cv, report = fit_clip(held, rk, rv, 16, 4, 8)
+    ck, cv, report = fit_clip(held, rk, rv, 4, 8)
     q = held["q"].transpose(0, 1)
     k, v = (held[n].transpose(0, 1).bfloat16().float() for n in ("k", "v"))
     pos = torch.arange(t)
     exact = mixed_attention(q, pos, k, v, k, v, 4, 8, 0.2)
 
     def err(kc, vc):
-        out = mixed_attention(q, pos, k, v, fake_quantize(k, 16, kc), fake_quantize(v, 16, vc), 4, 8, 0.2)
+        out = mixed_attention(q, pos, k, v, naive_int2(k, kc), naive_int2(v, vc), 4, 8, 0.2)
         return ((out - exact).norm() / exact.norm()).item()
 
     for c in CLIP_GRID:

@@ -1,4 +1,5 @@
-"""Tiered calibration (--tiers): rotations cut into eigen-direction tiers, 0-bit fills."""
+"""Tiered calibration: rotations cut into eigen-direction tiers, 0-bit fills,
+and each layer's tiers chosen under a byte budget."""
 
 import json
 import subprocess
@@ -9,8 +10,8 @@ import torch
 
 from tests.conftest import MODELS, REPO
 from vllm_kvq.artifacts import OscarArtifact, hadamard
-from vllm_kvq.artifacts.schema import ArtifactError, check_tiers, parse_tiers
-from vllm_kvq.calib.rotation import spreader, tiered_rotation
+from vllm_kvq.calib.rotation import eigen_order, spreader, tiered_rotation
+from vllm_kvq.kernels.oscar.format import LayerTiers, TierPlan
 
 TIERS = "k=48x4,80x2;v=16x4,48x2,64x0"
 DATA = REPO.parent / "shared" / "eval" / "code-dev.txt.gz"
@@ -22,22 +23,12 @@ def _projector(cols: torch.Tensor) -> torch.Tensor:
     return cols @ cols.T
 
 
-def test_parse_tiers():
-    assert parse_tiers(TIERS) == {"k": [(48, 4), (80, 2)], "v": [(16, 4), (48, 2), (64, 0)]}
-    check_tiers(parse_tiers(TIERS), 128)
-    for bad, match in [("k=48x4,80x2", "exactly the kinds 'k' and 'v'"), ("k=48:4;v=128x2", "write WIDTHxBITS"),
-                       ("k=128x2;k=128x2", "given twice")]:
-        with pytest.raises(ArtifactError, match=match):
-            check_tiers(parse_tiers(bad), 128)
-
-
 def test_tiered_rotation_structure():
     torch.manual_seed(0)
     a = torch.randn(3000, 128, dtype=torch.float64) * torch.logspace(0, 2, 128, dtype=torch.float64)
     cov = a.T @ a / 3000
-    tiers = [(16, 4), (48, 2), (64, 0)]
-    r, ev = tiered_rotation(cov, tiers, layer=3, head=1)
-    r = r.double()
+    u_sorted, ev = eigen_order(cov)
+    r = tiered_rotation(u_sorted, TierPlan(16, 48, 64), layer=3, head=1).double()
     assert torch.allclose(r.T @ r, torch.eye(128, dtype=torch.float64), atol=1e-5)
     evals, evecs = torch.linalg.eigh(cov)
     u = evecs[:, torch.argsort(evals, descending=True)]
@@ -61,7 +52,7 @@ def tiered(tmp_path_factory):
 
     model = MODELS / "house-qwen3"
     out = calibrate(str(model), str(DATA), str(tmp_path_factory.mktemp("tiers") / "a"), tokens=TOKENS,
-                    seq_len=SEQ, sink=SINK, tiers=parse_tiers(TIERS))
+                    seq_len=SEQ, sink=SINK, tiers=LayerTiers.parse(TIERS))
     windows = token_windows(AutoTokenizer.from_pretrained(model), read_text(DATA), TOKENS + SEQ, SEQ)[:-1]
     col = StatsCollector(2, 128, SINK)
     col.mode = "hold_out"
@@ -82,7 +73,7 @@ def tiered(tmp_path_factory):
 
 def test_tiered_keys_span_the_top_query_directions(tiered):
     art, _, direct = tiered
-    assert art.tiers == {"k": [(48, 4), (80, 2)], "v": [(16, 4), (48, 2), (64, 0)]}
+    assert set(art.tiers.values()) == {LayerTiers(TierPlan(48, 80), TierPlan(16, 48, 64))}
     assert sorted(direct) == art.layers
     for layer in art.layers:
         for head in range(2):
@@ -117,7 +108,7 @@ def test_fills_are_mean_rows_in_rotated_coordinates(tiered):
 def test_manifest_and_inspect_show_tiers(tiered):
     _, out, _ = tiered
     m = json.loads((out / "manifest.json").read_text())
-    assert m["tiers"] == {"k": [[48, 4], [80, 2]], "v": [[16, 4], [48, 2], [64, 0]]}
+    assert m["tiers"] == {str(i): {"k": [[48, 4], [80, 2]], "v": [[16, 4], [48, 2], [64, 0]]} for i in range(6)}
     assert m["granularity"] == "kv_head" and m["sink"] == SINK
     from safetensors import safe_open
 
@@ -127,16 +118,18 @@ def test_manifest_and_inspect_show_tiers(tiered):
     ok = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "inspect", str(out), "--model",
                          str(MODELS / "house-qwen3")], capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert "tiers: k=48x4,80x2; v=16x4,48x2,64x0 (payload K 2.75 + V 1.25 bits/element" in ok.stdout
-    assert "0-bit fills: v_fill [2, 64]" in ok.stdout
+    assert "rows in tiers, 80 B per token and KV head (2.500 bits per element)" in ok.stdout
+    assert ok.stdout.count("k=48x4,80x2;v=16x4,48x2,64x0") == 6
 
 
 @pytest.mark.parametrize("extra,match", [
-    (["--tiers", "k=48x4,72x2;v=16x4,48x2,64x0"], "k tier widths sum to 120, not head_dim 128; make the widths add up"),
-    (["--tiers", "k=48x3,80x2;v=16x4,48x2,64x0"], "k tier 48x3 has 3 bits; bits must be one of \\[0, 2, 4\\]"),
-    (["--tiers", "k=12x4,116x2;v=16x4,48x2,64x0"], "width 12; widths must be positive multiples of 8"),
-    (["--tiers", TIERS, "--granularity", "layer"], "--tiers needs --granularity kv_head.*drop --granularity layer"),
-    (["--tiers", TIERS, "--clip", "fitted"], "drop --clip fitted with --tiers"),
+    (["--tiers", "k=48x4,64x2;v=16x4,48x2,64x0"], "k: tier widths sum to 112, not the head size 128; make them add up"),
+    (["--tiers", "k=48x3,80x2;v=16x4,48x2,64x0"], "k: tier 48x3 has 3 bits; bits must be 4, 2 or 0"),
+    (["--tiers", "k=24x4,104x2;v=16x4,48x2,64x0"], "width 24; widths must be positive multiples of 16"),
+    (["--tiers", TIERS, "--granularity", "layer"], "need --granularity kv_head; drop --granularity layer"),
+    (["--clip", "fitted"], "drop --clip fitted \\(or pass --tiers int2\\)"),
+    (["--bytes-per-token", "81"], "--bytes-per-token 81: no tier plan takes exactly that many bytes"),
+    (["--tiers", TIERS, "--bytes-per-token", "80"], "give one of them"),
 ])
 def test_bad_tiers_fail_with_the_fix(tmp_path, extra, match):
     import re
@@ -146,3 +139,66 @@ def test_bad_tiers_fail_with_the_fix(tmp_path, extra, match):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and re.search(match, done.stderr), done.stderr
     assert not (tmp_path / "a").exists()
+
+
+def _synthetic_layer(gen, sharpness: float, t: int = 256, d: int = 64):
+    """One KV head's statistics and held-out window: keys and values with
+    unequal spread over directions, queries ``sharpness`` times the keys' scale
+    (a sharper softmax: key errors move it more)."""
+    from vllm_kvq.calib.capture import LayerStats
+
+    spread = torch.logspace(0, 1, d, dtype=torch.float64)
+    q = torch.randn(2, t, d, generator=gen, dtype=torch.float64) * spread * sharpness
+    k = torch.randn(1, t, d, generator=gen, dtype=torch.float64) * spread
+    v = torch.randn(1, t, d, generator=gen, dtype=torch.float64) * spread
+    qg = q.reshape(1, 2 * t, d)
+    st = LayerStats(cq=qg.transpose(1, 2) @ qg, cs=v.transpose(1, 2) @ v, cv=v.transpose(1, 2) @ v,
+                    k_sum=k.sum(1), v_sum=v.sum(1), n_q=2 * t, n_kv=t, n_mean=t)
+    st.held_out = {"q": q.float(), "k": k.float(), "v": v.float(), "scale": d ** -0.5}
+    return st
+
+
+def test_search_gives_the_keys_that_hurt_more_int4():
+    """Two layers with the same keys and values at one byte budget: where
+    sharper queries make the keys' error dominate, the keys get more INT4
+    directions (and the values fewer bytes). Every layer takes exactly the
+    budget, and the predicted error is what the chosen plans cost on the
+    held-out window."""
+    from vllm_kvq.calib.tier_search import LayerProbe, search
+
+    gen = torch.Generator().manual_seed(0)
+    layers = {0: _synthetic_layer(gen, sharpness=0.05)}
+    torch.manual_seed(0)
+    layers[1] = _synthetic_layer(torch.Generator().manual_seed(0), sharpness=2.0)
+    probes = {i: LayerProbe(st, i, "exact", 4, 16) for i, st in layers.items()}
+    chosen, report = search(probes, 64, 44, 1.0, 1.0)
+    assert all(t.bytes_per_token == 44 for t in chosen.values())
+    assert chosen[1].k.int4 > chosen[0].k.int4 and chosen[1].k.row_bytes > chosen[0].k.row_bytes
+    for idx, t in chosen.items():
+        ek, ev = probes[idx].error("k", t.k, 1.0), probes[idx].error("v", t.v, 1.0)
+        assert report[str(idx)]["predicted_kl"] == pytest.approx(ek * ek + ev * ev, rel=1e-4)
+    # a sensitivity weighs one kind's error: values that cost 1000x more take the bytes from the keys
+    weighted, _ = search(probes, 64, 44, 1.0, 1.0, {1: {"k": 1.0, "v": 1000.0}})
+    assert weighted[1].v.row_bytes > chosen[1].v.row_bytes and weighted[1].bytes_per_token == 44
+    assert weighted[0] == chosen[0]
+
+
+def test_calibrate_searches_the_tiers_by_default(tmp_path):
+    """`vllm-kvq calibrate` without --tiers: each layer's tiers at 80 B per
+    token (the default), a valid artifact, and inspect shows them with their
+    errors and sensitivities (the held-out window must reach past sink +
+    window, hence the short window here)."""
+    done = subprocess.run([sys.executable, "-m", "vllm_kvq.cli", "calibrate", str(MODELS / "house-qwen3"),
+                           "--data", str(DATA), "--out", str(tmp_path / "a"), "--tokens", str(TOKENS),
+                           "--seq-len", str(SEQ), "--sink", "16", "--window", "64"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    art = OscarArtifact.load(tmp_path / "a")
+    assert art.bytes_per_token == 80 and sorted(art.tiers) == art.layers
+    report = art.provenance["tier_search"]
+    assert report["bytes_per_token"] == 80
+    for layer in art.layers:
+        row = report["layers"][str(layer)]
+        assert row["tiers"] == str(art.tiers[layer]) and row["predicted_kl"] > 0
+        assert row["k_sensitivity"] > 0 and row["v_sensitivity"] > 0
+        assert f"KL {row['predicted_kl']:.1e}" in done.stdout

@@ -8,20 +8,20 @@ from vllm_kvq.kernels.kivi.format import KiviFormat
 
 
 def test_format_sizes_and_limits():
-    fmt = KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=256)
+    fmt = KiviFormat(head_size=128, block_size=128, sink=64, window=256)
     # codes 32 + 32, per-channel key pairs 128 x 4 B / 32 positions, value pair 4 B
     assert fmt.bytes_per_token == 84
     assert fmt.k_scale_offset == 128 * 64 and fmt.v_scale_offset == 128 * 64 + 128 * 16
     assert fmt.v_scale_offset + 128 * 4 == fmt.block_bytes
     with pytest.raises(ValueError, match="window must be >= 32"):
-        KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=16)
+        KiviFormat(head_size=128, block_size=128, sink=64, window=16)
     with pytest.raises(ValueError, match="must divide the block size"):
-        KiviFormat(head_size=128, group_size=128, block_size=48, sink=64, window=256)
+        KiviFormat(head_size=128, block_size=48, sink=64, window=256)
     # 64-position key groups: keys 2.5 bits, values 2.25 (2.375 on average)
-    assert KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=256,
+    assert KiviFormat(head_size=128, block_size=128, sink=64, window=256,
                       token_group=64).bytes_per_token == 76
     # int8 key pairs: 2 x 128 + 2 B per 32-position group -> 9 B per token; 2.406 bits/element
-    int8 = KiviFormat(head_size=128, group_size=128, block_size=128, sink=64, window=256, key_pairs="int8")
+    int8 = KiviFormat(head_size=128, block_size=128, sink=64, window=256, key_pairs="int8")
     assert int8.bytes_per_token == 77 and int8.k_group_bytes == 258
 
 
@@ -83,7 +83,7 @@ def _expected(q, k, v, sink, window, group, scale, tg=32, pairs="fp16"):
 def test_paged_steps_match_the_whole_sequence(chunks, tg, pairs):
     torch.manual_seed(0)
     d, h, hq, length = 64, 2, 4, sum(chunks)
-    fmt = KiviFormat(head_size=d, group_size=32, block_size=64, sink=8, window=max(40, tg + 4), token_group=tg,
+    fmt = KiviFormat(head_size=d, block_size=64, sink=8, window=max(40, tg + 4), token_group=tg,
                      key_pairs=pairs)
     q, k, v = (torch.randn(length, n, d) for n in (hq, h, h))
     k[:, :, 5] *= 12  # an outlier channel: the case per-channel keys are for
@@ -97,7 +97,7 @@ def test_paged_steps_match_the_whole_sequence(chunks, tg, pairs):
                                          v[ctx : ctx + n], 1.0, 0.125))
         ctx += n
     got = torch.cat(got)
-    want = _expected(q, k, v, fmt.sink, fmt.window, fmt.group_size, 0.125, tg, pairs)
+    want = _expected(q, k, v, fmt.sink, fmt.window, d, 0.125, tg, pairs)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
     # The pages hold every complete key group per channel: dequantized, they
@@ -113,7 +113,7 @@ def test_old_keys_are_really_quantized():
     than rounding, and less than with per-token INT2 on an outlier channel."""
     torch.manual_seed(1)
     d, h, length = 64, 1, 256
-    fmt = KiviFormat(head_size=d, group_size=64, block_size=64, sink=0, window=32)
+    fmt = KiviFormat(head_size=d, block_size=64, sink=0, window=32)
     q, k, v = torch.randn(length, h, d), torch.randn(length, h, d), torch.randn(length, h, d)
     k[:, :, 3] *= 20
     cache = torch.zeros(fmt.state_blocks + 4, h, 64, fmt.bytes_per_token, dtype=torch.uint8)
@@ -123,8 +123,10 @@ def test_old_keys_are_really_quantized():
     err = (out - exact).norm() / exact.norm()
     assert err > 1e-3
     from vllm_kvq.kernels.oscar import reference as oscar
+    from vllm_kvq.kernels.oscar.format import TierPlan
 
     kb, vb = k.bfloat16().float(), v.bfloat16().float()
-    per_token = oscar.mixed_attention(q, torch.arange(length), kb, vb, oscar.fake_quantize(kb, 64, 1.0),
-                                      oscar.fake_quantize(vb, 64, 1.0), 0, 32, 0.125)
+    int2 = TierPlan.int2_only(64)
+    per_token = oscar.mixed_attention(q, torch.arange(length), kb, vb, oscar.fake_quantize(kb, int2, 1.0),
+                                      oscar.fake_quantize(vb, int2, 1.0), 0, 32, 0.125)
     assert err < (per_token - exact).norm() / exact.norm()

@@ -283,7 +283,8 @@ def test_cuda_decode_dispatch():
     pytest.importorskip("vllm")
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 
-    from vllm_kvq.backends.state_pool import LayerPool, _is_decode_batch, decode_plan
+    from vllm_kvq.backends.state_pool import LayerPool, decode_plan
+    from vllm_kvq.hooks.gdn import _is_decode_batch
 
     def md(decodes, prefills):
         return GDNAttentionMetadata(num_prefills=prefills, num_prefill_tokens=7 * prefills, num_decodes=decodes,

@@ -1,8 +1,9 @@
-"""One artifact schema (v1) for everything calibration produces."""
+"""Artifacts: what calibration writes and serving loads, in one container."""
 
 from vllm_kvq.artifacts.builtin import builtin_artifact, hadamard
+from vllm_kvq.artifacts.container import FORMAT_VERSION, ArtifactError
 from vllm_kvq.artifacts.fingerprint import attention_layers, model_fingerprint
-from vllm_kvq.artifacts.schema import FORMAT_VERSION, ArtifactError, OscarArtifact, artifact_kind
+from vllm_kvq.artifacts.oscar import OscarArtifact
 from vllm_kvq.artifacts.stepquant import StepQuantPlan
 
 __all__ = [
@@ -10,7 +11,6 @@ __all__ = [
     "FORMAT_VERSION",
     "OscarArtifact",
     "StepQuantPlan",
-    "artifact_kind",
     "attention_layers",
     "builtin_artifact",
     "hadamard",

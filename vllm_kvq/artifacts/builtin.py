@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from vllm_kvq.artifacts.schema import OscarArtifact
+from vllm_kvq.artifacts.oscar import OscarArtifact
 
 
 def hadamard(d: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvq.artifacts.schema import OscarArtifact
+from vllm_kvq.artifacts.oscar import OscarArtifact
 
 
 def _spectrum(ev: torch.Tensor) -> str:
@@ -19,29 +19,35 @@ def _spectrum(ev: torch.Tensor) -> str:
 
 def summary(art: OscarArtifact) -> str:
     fp = art.fingerprint
+    search = art.provenance.get("tier_search", {}).get("layers", {})
     lines = [
-        f"artifact {art.source}: valid (schema v1)",
+        f"artifact {art.source}: valid",
         f"model: {fp.get('architecture')} layers={fp.get('num_hidden_layers')} hidden={fp.get('hidden_size')} "
         f"heads={fp.get('num_attention_heads')} kv_heads={fp.get('num_key_value_heads')} head_dim={fp.get('head_dim')}",
         f"rotations: {art.granularity} granularity over {len(art.layers)} attention layers {art.layers}",
-        f"calibrated with group={art.group_size} sink={art.sink} window={art.window}",
+        f"calibrated with sink={art.sink} window={art.window}; rows "
+        + ("INT2 (OSCAR)" if art.tiers is None else "in tiers")
+        + f", {art.bytes_per_token} B per token and KV head ({4 * art.bytes_per_token / art.head_dim:.3f} bits "
+        "per element)",
     ]
-    if art.tiers is not None:
-        d = art.head_dim
-        desc = "; ".join(f"{kind}=" + ",".join(f"{w}x{b}" for w, b in art.tiers[kind]) for kind in ("k", "v"))
-        bits = {kind: sum(w * b for w, b in art.tiers[kind]) / d for kind in ("k", "v")}
-        zero = ", ".join(f"{kind}_fill [{art.num_kv_heads}, {sum(w for w, b in art.tiers[kind] if b == 0)}]"
-                         for kind in ("k", "v") if any(b == 0 for _, b in art.tiers[kind])) or "none"
-        lines.append(f"tiers: {desc} (payload K {bits['k']:.2f} + V {bits['v']:.2f} bits/element before "
-                     f"scales); 0-bit fills: {zero}")
-    prov = {k: v for k, v in art.provenance.items() if k != "clip_fit"}
+    if "tier_search" in art.provenance:
+        lines.append(f"tiers chosen per layer at {art.provenance['tier_search']['bytes_per_token']} B per token by "
+                     "the held-out window: relative attention-output errors of K and V, and the predicted KL of "
+                     "the model's next-token distribution from them")
+    prov = {k: v for k, v in art.provenance.items() if k not in ("clip_fit", "tier_search")}
     if prov:
         lines.append(f"provenance: {prov}")
-    lines.append("layer  k_clip  v_clip  K spectrum                          V spectrum")
+    lines.append("layer  k_clip  v_clip  tiers                              held-out error                  "
+                 "K spectrum                          V spectrum")
     for layer in art.layers:
         ks = _spectrum(art.eigenvalues["k"][layer]) if layer in art.eigenvalues.get("k", {}) else "-"
         vs = _spectrum(art.eigenvalues["v"][layer]) if layer in art.eigenvalues.get("v", {}) else "-"
-        lines.append(f"{layer:>5}  {art.k_clip[layer]:.3f}   {art.v_clip[layer]:.3f}   {ks:<34}  {vs}")
+        tiers = "INT2" if art.tiers is None else str(art.tiers[layer])
+        err = search.get(str(layer), {})
+        predicted = (f"K {err['k_error']:.4f} V {err['v_error']:.4f} KL {err['predicted_kl']:.1e}"
+                     if err else "-")
+        lines.append(f"{layer:>5}  {art.k_clip[layer]:.3f}   {art.v_clip[layer]:.3f}   {tiers:<33}  "
+                     f"{predicted:<30}  {ks:<34}  {vs}")
     return "\n".join(lines)
 
 
@@ -54,7 +60,7 @@ def stepquant_summary(plan) -> str:
     fp32 = fp32_state_bytes(hv, k, v)
     s = plan.settings
     lines = [
-        f"artifact {plan.source}: valid (schema v1, STEPQuant state plan)",
+        f"artifact {plan.source}: valid (STEPQuant state plan)",
         f"model: {fp.get('architecture')} layers={fp.get('num_hidden_layers')} hidden={fp.get('hidden_size')}",
         f"GDN state: {len(plan.layers)} layers {plan.layers}, {hv} value heads"
         + (f" ({plan.num_k_heads} key heads)" if plan.num_k_heads else "") + f", K={k} V={v}, "

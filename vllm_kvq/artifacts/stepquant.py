@@ -1,7 +1,6 @@
 """STEPQuant state plan: per-head widths of every GDN layer's state record.
 
-Same container as the OSCAR artifact (format ``vllm-kvq``, version 1), with
-``"kind": "stepquant"``::
+In the container (:mod:`vllm_kvq.artifacts.container`), kind ``stepquant``::
 
     manifest.json        fingerprint, GDN geometry, budgets, widths per
                          budget / layer / value head, calibration settings
@@ -26,22 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_kvq.artifacts.schema import (
-    FORMAT_NAME, FORMAT_VERSION, MANIFEST, TENSORS, ArtifactError, read_manifest, read_tensors,
-)
-from vllm_kvq.kernels.stepquant.format import PIVOT, WIDTHS, StateLayout
+from vllm_kvq.artifacts import container
+from vllm_kvq.artifacts.container import MANIFEST, ArtifactError
+from vllm_kvq.kernels.stepquant.format import PIVOT, PIVOT_BUDGET_BITS, WIDTHS, StateLayout
 
 KIND = "stepquant"
-PIVOT_BUDGET_BITS = 8
 DISTORTION_WIDTHS = WIDTHS  # columns of distortion.<layer>
 GEO_MEAN_TOL = 1e-3
-
-
-def _np64(t: torch.Tensor) -> np.ndarray:
-    """fp64 numpy copy without torch kernels: vLLM forks its engine after
-    validating in the parent, and a child hangs if the parent used torch's
-    OpenMP pool (numpy is fork-safe)."""
-    return t.detach().cpu().numpy().astype(np.float64)
 
 
 @dataclass
@@ -88,23 +78,15 @@ class StepQuantPlan:
 
     # ------------------------------------------------------------------ I/O
     def save(self, directory: str | Path) -> Path:
-        from safetensors.torch import save_file
-
         self.validate()
-        out = Path(directory)
-        out.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for layer in self.layers:
-            tensors[f"impact.{layer}"] = self.impacts[layer].float().contiguous()
+            tensors[f"impact.{layer}"] = self.impacts[layer].float()
             for name, table in (("log_decay", self.log_decay), ("omega", self.omega),
                                 ("distortion", self.distortion)):
                 if layer in table:
-                    tensors[f"{name}.{layer}"] = table[layer].double().contiguous()
-        save_file(tensors, str(out / TENSORS))
+                    tensors[f"{name}.{layer}"] = table[layer].double()
         manifest = {
-            "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
-            "kind": KIND,
             "model_fingerprint": self.fingerprint,
             "layers": self.layers,
             "num_v_heads": self.num_v_heads,
@@ -116,29 +98,16 @@ class StepQuantPlan:
             "settings": self.settings,
             "provenance": self.provenance,
         }
-        (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-        return out
+        return container.write(directory, KIND, manifest, tensors)
 
     @classmethod
     def load(cls, directory: str | Path, expected_fingerprint: dict | None = None) -> "StepQuantPlan":
         """Read and validate a plan; raise ArtifactError on any defect."""
         path = Path(directory)
         where = f"artifact {path}"
-        manifest = read_manifest(
-            path, "point kvq.state_artifact at a directory made by `vllm-kvq calibrate MODEL --stepquant`")
-        kind = manifest.get("kind", "oscar")
-        if kind == "oscar":
-            raise ArtifactError(
-                f"{where} is an OSCAR KV-cache artifact (kind 'oscar'), not a STEPQuant state plan; pass it as "
-                "kvq.artifact, and make a state plan with `vllm-kvq calibrate MODEL --stepquant`"
-            )
-        if kind != KIND:
-            raise ArtifactError(f"{where}: unknown artifact kind {kind!r}; expected {KIND!r}")
-        required = ("model_fingerprint", "layers", "num_v_heads", "k_dim", "v_dim", "budgets", "bits")
-        missing = [k for k in required if k not in manifest]
-        if missing:
-            raise ArtifactError(f"{where}: manifest lacks {missing}; re-run `vllm-kvq calibrate --stepquant`")
-        tensors = read_tensors(path, where, "; re-run `vllm-kvq calibrate --stepquant`")
+        manifest, tensors = container.read(
+            path, KIND, ("model_fingerprint", "layers", "num_v_heads", "k_dim", "v_dim", "budgets", "bits"),
+            ("num_k_heads", "settings", "provenance"))
         try:
             layers = [int(x) for x in manifest["layers"]]
             budgets = [int(b) for b in manifest["budgets"]]
@@ -228,7 +197,7 @@ class StepQuantPlan:
             name = f"impact.{layer}"
             if tuple(w.shape) != (hv, k):
                 raise ArtifactError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({hv}, {k})")
-            w64 = _np64(w)
+            w64 = container.as_numpy(w)
             if not np.isfinite(w64).all():
                 raise ArtifactError(f"{where}: {name} contains NaN or Inf; {fix}")
             if not (w64 > 0).all():
@@ -244,7 +213,7 @@ class StepQuantPlan:
                     continue
                 if tuple(t.shape) != shape:
                     raise ArtifactError(f"{where}: {tname}.{layer} has shape {tuple(t.shape)}, expected {shape}")
-                t64 = _np64(t)
+                t64 = container.as_numpy(t)
                 if np.isnan(t64).any() or np.isposinf(t64).any():
                     raise ArtifactError(f"{where}: {tname}.{layer} contains NaN or +Inf")
                 if tname == "log_decay" and (t64 > 0).any():
@@ -253,13 +222,7 @@ class StepQuantPlan:
     def check_model(self, fingerprint: dict) -> None:
         """Fail unless this plan was made for a model with this fingerprint."""
         where = f"artifact {self.source}"
-        diffs = {k: (self.fingerprint.get(k), v) for k, v in fingerprint.items() if self.fingerprint.get(k) != v}
-        if diffs:
-            detail = ", ".join(f"{k}: artifact {a!r} vs model {b!r}" for k, (a, b) in diffs.items())
-            raise ArtifactError(
-                f"{where} was calibrated for a different model ({detail}); "
-                "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`"
-            )
+        container.check_fingerprint(where, self.fingerprint, fingerprint, KIND)
         attn, n = fingerprint.get("attention_layers"), fingerprint.get("num_hidden_layers")
         if attn is not None and n is not None:
             want = [i for i in range(int(n)) if i not in set(attn)]

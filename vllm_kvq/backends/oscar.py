@@ -2,12 +2,13 @@
 
 Keys and queries are rotated by R_K after RoPE; values arrive already rotated
 by R_V (folded into ``qkv_proj`` and ``o_proj`` at load, see ``weights.py``),
-so the attention output needs no un-rotation. The page format is described in
-``vllm_kvq/kernels/oscar/format.py``.
+so the attention output needs no un-rotation. The page formats are the schemes'
+(:mod:`vllm_kvq.backends.schemes`; OSCAR's: ``vllm_kvq/kernels/oscar/format.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -26,23 +27,16 @@ from vllm.v1.attention.backend import (
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheLayout, SlidingWindowSpec
 
-from vllm_kvq import settings as kvq_settings
 from vllm_kvq.artifacts.fingerprint import text_config
+from vllm_kvq.backends import settings as kvq_settings
 from vllm_kvq.backends.kv_spec import OscarAttentionSpec
-from vllm_kvq.backends.resolve import resolve_artifact
-from vllm_kvq.kernels import formats
-from vllm_kvq.kernels.kivi import reference as kivi
-from vllm_kvq.kernels.oscar import reference
-from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.tiered import reference as tiered
+from vllm_kvq.backends.resolve import page_format, resolve_artifact
+from vllm_kvq.backends.schemes import SCHEMES, LayerCodec
+from vllm_kvq.kernels.oscar.format import PagedFormat
 
 logger = init_logger("vllm." + __name__)
 
 BACKEND_NAME = "OSCAR"
-
-
-def page_format(head_size: int, block_size: int, s: kvq_settings.OscarSettings) -> OscarFormat:
-    return formats.page_format(head_size, block_size, s)
 
 
 class OscarBackend(AttentionBackend):
@@ -101,7 +95,10 @@ class OscarBackend(AttentionBackend):
 
 
 def uses_triton(settings: kvq_settings.OscarSettings, device: torch.device) -> bool:
-    """The ``kernels`` setting: Triton on CUDA unless told otherwise."""
+    """The ``kernels`` setting: Triton on CUDA unless told otherwise (or the
+    scheme has only reference ops)."""
+    if not SCHEMES[settings.scheme].triton:
+        return False
     if settings.kernels == "auto":
         return device.type == "cuda"
     return settings.kernels == "triton"
@@ -150,7 +147,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         from vllm.platforms import current_platform
 
         s = kvq_settings.from_vllm_config(vllm_config)
-        if s.scheme == "oscar" and uses_triton(s, torch.device(current_platform.device_type)):
+        if uses_triton(s, torch.device(current_platform.device_type)):
             return cls._cudagraph_support
         return AttentionCGSupport.NEVER  # the reference ops loop over requests on the host
 
@@ -268,7 +265,7 @@ class OscarImpl(AttentionImpl):
         self.heads_per_kv = text.num_attention_heads // text.num_key_value_heads
         self.max_model_len = vllm_config.model_config.max_model_len
         self._layer: int | None = None
-        self._fmt: OscarFormat | None = None
+        self._fmt: PagedFormat | None = None
         self._sm_count: int | None = None
         self.k_rotation: torch.Tensor | None = None  # [H_local, D, D] fp32
         self._k_parts: torch.Tensor | None = None  # the Triton store's bf16 parts of it, made once
@@ -287,19 +284,18 @@ class OscarImpl(AttentionImpl):
         heads = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads)
         self.k_rotation = self.artifact.rotation_for("k", idx, heads)
         self._k_parts = None
-        if self.settings.scheme == "kivi":  # per-channel keys: a key rotation would mix the channels
+        if not SCHEMES[self.settings.scheme].rotates_keys:  # per-channel keys: a rotation would mix the channels
             self.k_rotation = torch.eye(self.head_size).expand_as(self.k_rotation).contiguous()
         self.v_rotation = self.artifact.rotation_for("v", idx, heads)
-        self.fills = {kind: self.artifact.fill_for(kind, idx, heads) for kind in "kv"}  # tiered: 0-bit tiers
-        self.k_clip = self.artifact.k_clip[idx]
-        self.v_clip = self.artifact.v_clip[idx]
+        self.codec = LayerCodec(self.artifact.k_clip[idx], self.artifact.v_clip[idx], self.scale,
+                                tuple(self.artifact.fill_for(kind, idx, heads) for kind in "kv"))
         self.k_identity = bool(torch.equal(self.k_rotation, torch.eye(self.head_size).expand_as(self.k_rotation)))
         self.v_identity = bool(torch.equal(self.v_rotation, torch.eye(self.head_size).expand_as(self.v_rotation)))
 
-    def _format(self, kv_cache: torch.Tensor) -> OscarFormat:
+    def _format(self, kv_cache: torch.Tensor) -> PagedFormat:
         block_size = kv_cache.shape[2]
         if self._fmt is None or self._fmt.block_size != block_size:
-            self._fmt = page_format(self.head_size, block_size, self.settings)
+            self._fmt = page_format(self.head_size, block_size, self.settings, self._layer)
             if kv_cache.shape[3] != self._fmt.bytes_per_token:
                 raise RuntimeError(
                     f"OSCAR page has {kv_cache.shape[3]} B per token, format expects "
@@ -357,19 +353,15 @@ class OscarImpl(AttentionImpl):
     def _reference_step(self, kv_cache, fmt, device):
         """The scheme's PyTorch reference step on one request:
         ``(block_row, ctx, q, k, v) -> attention rows``, attending then writing."""
-        scheme = self.settings.scheme
-        if scheme == "kivi":  # keys unrotated, per channel (k_rotation is the identity)
-            pages = kivi.KiviPages(kv_cache, fmt)
-            return lambda row, ctx, q, k, v: kivi.attend_and_write(pages, fmt, row, ctx, q, k, v,
-                                                                   self.v_clip, self.scale)
-        if scheme == "tiered":
-            pages = tiered.TieredPages(kv_cache, fmt)
-            fills = {kind: None if f is None else f.to(device) for kind, f in self.fills.items()}
-            return lambda row, ctx, q, k, v: tiered.attend_and_write(
-                pages, fmt, row, ctx, q, k, v, self.k_clip, self.v_clip, self.scale, fills["k"], fills["v"])
-        pages = reference.PageViews(kv_cache, fmt)
-        return lambda row, ctx, q, k, v: reference.attend_and_write(pages, fmt, row, ctx, q, k, v,
-                                                                    self.k_clip, self.v_clip, self.scale)
+        return SCHEMES[self.settings.scheme].reference_step(kv_cache, fmt, self._codec_on(device))
+
+    def _codec_on(self, device) -> LayerCodec:
+        """The layer's codec with its 0-bit means on ``device`` (moved once)."""
+        fills = self.codec.fills
+        if any(f is not None and f.device != torch.device(device) for f in fills):
+            self.codec = dataclasses.replace(self.codec, fills=tuple(None if f is None else f.to(device)
+                                                                     for f in fills))
+        return self.codec
 
     def _unrotated(self, output: torch.Tensor, n: int) -> torch.Tensor:
         """The R_V^T epilogue, for layers whose o_proj could not absorb R_V."""
@@ -398,21 +390,23 @@ class OscarImpl(AttentionImpl):
                 self._k_parts = triton_store.rotation_parts(self.k_rotation)
             rot = self._k_parts
         nd, n = md.num_decodes, md.num_actual_tokens
+        c = self._codec_on(q.device)
         if nd:
             seq = md.decode_seq_lens
-            triton_store.store_decode_tokens(kv_cache, fmt, k[:nd], v[:nd], rot, seq, table, self.k_clip,
-                                             self.v_clip, slot_mapping=md.decode_slots)
+            triton_store.store_decode_tokens(kv_cache, fmt, k[:nd], v[:nd], rot, seq, table, c.k_clip,
+                                             c.v_clip, slot_mapping=md.decode_slots)
             if self._sm_count is None:
                 self._sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                                   if q.is_cuda else 1)
             splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count,
                                               fmt.block_size)
-            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:nd], seq, self.scale, splits, out[:nd])
+            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:nd], seq, self.scale, splits, out[:nd],
+                                           fills=c.fills)
         tok = md.chunks
         if tok is not None and n > nd:
             stop = nd + tok.positions.shape[0]  # past the chunks' tokens: padding, if any
-            idx = (tok.positions, tok.request, tok.seq_end, table, self.k_clip, self.v_clip)
+            idx = (tok.positions, tok.request, tok.seq_end, table, c.k_clip, c.v_clip)
             k_rot = triton_store.store_tokens(kv_cache, fmt, k[nd:stop], v[nd:stop], rot, *idx, state=False)
             triton_extend.extend_attention(q[nd:stop], k_rot, v[nd:stop], kv_cache, fmt, table, tok.extend_tiles,
-                                           self.scale, out[nd:stop])
+                                           self.scale, out[nd:stop], fills=c.fills)
             triton_store.store_tokens(kv_cache, fmt, k_rot, v[nd:stop], None, *idx, data=False)

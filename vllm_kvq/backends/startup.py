@@ -7,10 +7,11 @@ import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
-from vllm_kvq import settings as kvq_settings
 from vllm_kvq.artifacts.fingerprint import head_dim, text_config
-from vllm_kvq.backends.oscar import page_format, uses_triton
-from vllm_kvq.backends.resolve import resolve_artifact
+from vllm_kvq.backends import settings as kvq_settings
+from vllm_kvq.backends.oscar import uses_triton
+from vllm_kvq.backends.resolve import cache_plan, page_format, resolve_artifact
+from vllm_kvq.backends.schemes import SCHEMES
 
 logger = init_logger("vllm." + __name__)
 
@@ -21,25 +22,26 @@ def check_oscar_config(vllm_config) -> None:
     s = kvq_settings.from_vllm_config(vllm_config)
     if model_config.use_mla:
         raise ValueError("OSCAR does not support MLA models; drop --attention-backend OSCAR")
-    if s.scheme in ("kivi", "tiered") and uses_triton(s, torch.device(current_platform.device_type)):
+    scheme = SCHEMES[s.scheme]
+    device = torch.device(current_platform.device_type)
+    if not scheme.triton and (s.kernels == "triton" or (device.type == "cuda" and s.kernels != "reference")):
         raise ValueError(
-            f"kvq.scheme '{s.scheme}' is built only in the PyTorch reference ops, not the Triton "
-            "kernels; serve it with --additional-config "
-            f"'{{\"kvq\": {{\"scheme\": \"{s.scheme}\", \"kernels\": \"reference\", ...}}}}'"
+            f"kvq.scheme {s.scheme!r} is built only in the PyTorch reference ops, not the Triton kernels; serve "
+            f"it with --additional-config '{{\"kvq\": {{\"scheme\": \"{s.scheme}\", \"kernels\": \"reference\", ...}}}}'"
         )
     if cache_config.cache_dtype not in ("auto", "bfloat16", "float16"):
         raise ValueError(
-            f"OSCAR stores its own INT2 format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
+            f"OSCAR stores its own format; use --kv-cache-dtype auto, not {cache_config.cache_dtype!r}"
         )
     artifact = resolve_artifact(s, model_config.hf_config)
-    if artifact.tiers and s.scheme != "tiered":
-        raise ValueError(
-            f"artifact {artifact.source} was calibrated with tiers {artifact.tiers}; serve it with "
-            "--additional-config '{\"kvq\": {\"scheme\": \"tiered\", \"artifact\": ...}}'"
-        )
-    fmt = page_format(head_dim(text_config(model_config.hf_config)), cache_config.block_size, s)
-    if uses_triton(s, torch.device(current_platform.device_type)):
-        _check_triton_shapes(fmt)
+    d = head_dim(text_config(model_config.hf_config))
+    fmt = page_format(d, cache_config.block_size, s)
+    if uses_triton(s, device):
+        from vllm_kvq.kernels.oscar.triton_store import check_shapes
+
+        why = check_shapes(d)
+        if why:
+            raise ValueError(f"OSCAR: {why}; pass kvq.kernels 'reference' (the PyTorch reference ops; slow)")
     if cache_config.enable_prefix_caching:
         logger.warning(
             "OSCAR keeps each request's BF16 sink/window rows in its own state blocks, "
@@ -47,34 +49,20 @@ def check_oscar_config(vllm_config) -> None:
             "(pass --no-enable-prefix-caching to silence this)."
         )
         cache_config.enable_prefix_caching = False
+    tiers = cache_plan(s).tiers
     logger.info(
-        "OSCAR: scheme=%s, rotation=%s (%s), group=%d, sink=%d, window=%d, %d B/token/head, "
+        "OSCAR: scheme=%s, rotation=%s (%s), tiers %s, sink=%d, window=%d, %d B/token/head, "
         "%d state blocks/request, %.3f bits/element at %d tokens",
-        s.scheme, s.rotation_mode, artifact.source, s.group_size, s.sink, s.window,
-        fmt.bytes_per_token, fmt.state_blocks, fmt.bits_per_element(model_config.max_model_len),
+        s.scheme, s.rotation_mode, artifact.source,
+        "INT2" if tiers is None else ("per layer" if len(set(tiers.values())) > 1 else next(iter(tiers.values()))),
+        fmt.sink, fmt.window, fmt.bytes_per_token, fmt.state_blocks, fmt.bits_per_element(model_config.max_model_len),
         model_config.max_model_len,
-    )
-
-
-def _check_triton_shapes(fmt) -> None:
-    """The Triton kernels unpack a row in 32-lane pieces and hold at most two
-    (scale, min) groups per row: refuse other shapes here, not at the first
-    forward."""
-    d, g = fmt.head_size, fmt.group_size
-    if d >= 32 and d & (d - 1) == 0 and fmt.groups in (1, 2):
-        return
-    fix = (f"set kvq.group_size to {d} or {d // 2}" if d >= 32 and d & (d - 1) == 0
-           else "this head size has no Triton path")
-    raise ValueError(
-        f"OSCAR's Triton kernels need a power-of-two head size >= 32 and kvq.group_size equal to it or "
-        f"half of it, got head size {d} and group_size {g}: {fix}, or pass kvq.kernels 'reference' "
-        "(the PyTorch reference ops; slow)"
     )
 
 
 def check_state_config(vllm_config) -> None:
     """``kvq.state``: a GDN hybrid, no speculative decoding, no prefix caching."""
-    from vllm_kvq.backends.state_pool import pool_plan
+    from vllm_kvq.backends.resolve import pool_plan
 
     s = kvq_settings.from_vllm_config(vllm_config)
     if s.state is None:

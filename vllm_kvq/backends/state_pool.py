@@ -1,124 +1,27 @@
-"""The quantized gated-delta-net state pool inside vLLM.
+"""The quantized gated-delta-net state pool: each GDN layer's packed records.
 
 vLLM keeps every GDN layer's recurrent state per request slot as
 ``[HV, V, K]`` in FP32. With ``kvq.state`` set, the slot's state bytes become
 one packed record (``kernels/stepquant/format.py``) and vLLM's page shrinks with
-it: the layer declares ``(record_bytes,)`` uint8 instead, and so do the model's
-class methods that vLLM sizes hybrid pages from.
-
-Staged forward (CPU; prefill and mixed batches on CUDA): the active slots'
-records are decoded into a small dense scratch, vLLM's own GDN step runs on it
-(decode: the gated delta update and the readout from the *unquantized* new
-state; prefill: the native chunk op), and the new states are fitted and packed
-back. Conv states stay native; they are staged beside the recurrent state so
-both can use the scratch's indices.
-
-Decode batches on CUDA (one token per request, no speculation) skip the
-staging: vLLM's conv update runs on the native conv state, then the fused
-Triton step (``kernels/stepquant/triton_step.py``) updates the records in
-place, at the slots of vLLM's state indices, inside vLLM's page (the record's
-slot stride is the page size) and writes the layer's output. ``kvq.kernels =
-"reference"`` keeps decode staged too.
+it (the GDN seam, :mod:`vllm_kvq.hooks.gdn`, declares the record and stages
+vLLM's own GDN step around it). Here: a layer's pool (layout, impacts, its
+Triton step's tables), the codec calls, and the decode step on packed
+records in place: the fused Triton step (``kernels/stepquant/triton_step.py``)
+at the slots of vLLM's state indices, inside vLLM's page (the record's slot
+stride is the page size).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
-import types
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from vllm_kvq import settings as kvq_settings
-from vllm_kvq.artifacts.fingerprint import model_fingerprint, text_config
+from vllm_kvq.backends import settings as kvq_settings
+from vllm_kvq.backends.resolve import pool_plan
 from vllm_kvq.kernels.stepquant import reference as codec
-from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout
-
-RECORD_ALIGN = 16
-
-
-def gdn_layers(hf_config) -> list[int]:
-    cfg = text_config(hf_config)
-    types = getattr(cfg, "layer_types", None) or []
-    return [i for i, t in enumerate(types) if t == "linear_attention"]
-
-
-@dataclass(frozen=True)
-class PoolPlan:
-    """Widths and impacts of every GDN layer (all heads, before TP), and the
-    one record size every layer and rank declares."""
-
-    bits: dict  # layer -> tuple of widths, len HV
-    impact: dict  # layer -> [HV, K] float32 (ones for the uniform pool)
-    fit: str
-    k_dim: int
-    v_dim: int
-    num_v_heads: int
-    record_bytes: int
-    source: str
-
-    def local(self, layer: int, tp_size: int, tp_rank: int) -> tuple[StateLayout, torch.Tensor]:
-        per = self.num_v_heads // tp_size
-        heads = slice(tp_rank * per, (tp_rank + 1) * per)
-        layout = StateLayout(self.bits[layer][heads], self.k_dim, self.v_dim, self.record_bytes)
-        return layout, self.impact[layer][heads].contiguous()
-
-    def fp32_bytes(self, tp_size: int) -> int:
-        return 4 * (self.num_v_heads // tp_size) * self.k_dim * self.v_dim
-
-
-def pool_plan(settings: kvq_settings.OscarSettings, hf_config, tp_size: int) -> PoolPlan | None:
-    """The plan for this model, or None when the pool stays native."""
-    if settings.state is None:
-        return None
-    fingerprint = json.dumps(model_fingerprint(hf_config), sort_keys=True)
-    cfg = text_config(hf_config)
-    shape = tuple(int(getattr(cfg, n, 0) or 0) for n in
-                  ("linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim"))
-    return _plan(settings, fingerprint, tuple(gdn_layers(hf_config)), shape, tp_size)
-
-
-@functools.lru_cache(maxsize=8)
-def _plan(settings, fingerprint_json: str, layers: tuple, shape: tuple, tp_size: int) -> PoolPlan:
-    hv, k, v = shape
-    if not layers or not hv:
-        raise ValueError(
-            "kvq.state quantizes gated-delta-net states, and this model has no GDN layers "
-            "(Qwen3-Next / Qwen3.5 class models have them); drop kvq.state"
-        )
-    if hv % tp_size:
-        raise ValueError(f"{hv} GDN value heads do not split over tensor_parallel_size {tp_size}")
-    if settings.state == "uniform":
-        bits = {layer: (settings.state_bits,) * hv for layer in layers}
-        impact = {layer: torch.ones(hv, k) for layer in layers}
-        fit, source = "rowwise", f"uniform {settings.state_bits}-bit"
-    else:
-        from vllm_kvq.artifacts import ArtifactError
-        from vllm_kvq.artifacts.stepquant import StepQuantPlan
-
-        plan = StepQuantPlan.load(settings.state_artifact, json.loads(fingerprint_json))
-        where = f"STEPQuant plan {settings.state_artifact}"
-        if (plan.num_v_heads, plan.k_dim, plan.v_dim) != (hv, k, v):
-            raise ArtifactError(
-                f"{where} is for {plan.num_v_heads} value heads of {plan.k_dim}x{plan.v_dim}, the model "
-                f"has {hv} of {k}x{v}; calibrate this model with `vllm-kvq calibrate --stepquant`"
-            )
-        if sorted(plan.layers) != sorted(layers):
-            raise ArtifactError(f"{where} covers layers {plan.layers}, the model's GDN layers are {list(layers)}")
-        if settings.state_bits not in plan.budgets:
-            raise ArtifactError(f"{where} has budgets {plan.budgets}, not kvq.state_bits={settings.state_bits}")
-        bits = {layer: tuple(int(b) for b in plan.head_bits(settings.state_bits, layer)) for layer in layers}
-        impact = {layer: plan.impact(layer).float() for layer in layers}
-        fit, source = "stepquant", f"{settings.state_artifact} @{settings.state_bits}"
-    per = hv // tp_size
-    size = max(StateLayout(b[r * per:(r + 1) * per], k, v).packed_bytes
-               for b in bits.values() for r in range(tp_size))
-    size = -(-size // RECORD_ALIGN) * RECORD_ALIGN
-    return PoolPlan(bits, impact, fit, k, v, hv, size, source)
-
+from vllm_kvq.kernels.stepquant.format import StateLayout
 
 # ---------------------------------------------------------------------------
 # Per-layer state
@@ -133,7 +36,6 @@ class LayerPool:
     native_dtype: torch.dtype  # what vLLM's GDN kernels compute the state in
     kernels: str = "auto"  # kvq.kernels: "reference" keeps CUDA decode staged
     step_plan: object = None  # the Triton step's tables on the records' device (False: layout unsupported)
-    triton_calls: int = 0  # decode batches run through the Triton step from Python (a graph replay adds none)
 
 
 def layer_pool(layer) -> LayerPool | None:
@@ -167,96 +69,11 @@ def decode_states(records: torch.Tensor, pool: LayerPool, out: torch.Tensor | No
     return codec.decode(records, pool.layout, out)
 
 
-class _StagedLayer:
-    """The GDN layer as vLLM's kernels see it, with staged states: attributes
-    come from the layer, methods run on this view (so ``self.kv_cache`` inside
-    them is the scratch)."""
-
-    def __init__(self, layer, kv_cache):
-        self.__dict__["_layer"] = layer
-        self.__dict__["kv_cache"] = kv_cache
-
-    def __getattr__(self, name):
-        layer = self.__dict__["_layer"]
-        for klass in type(layer).__mro__:
-            if name in klass.__dict__:
-                attr = klass.__dict__[name]
-                if isinstance(attr, types.FunctionType):
-                    return types.MethodType(attr, self)
-                break
-        return getattr(layer, name)
-
-
-def _stage(layer, md, pool: LayerPool):
-    """Decode the active slots' records (and copy their conv states) into a
-    scratch indexed 1..n; returns the staged layer, the metadata that points
-    at the scratch, and the function that packs the new states back."""
-    n = md.num_decodes + md.num_prefills
-    slots = md.non_spec_state_indices_tensor[:n].to(torch.long)
-    conv, records = layer.kv_cache
-    k, v = pool.layout.k_dim, pool.layout.v_dim
-    heads = len(pool.layout.bits)
-    states = torch.empty(n + 1, heads, k, v, dtype=pool.native_dtype, device=records.device)
-    live = slots > 0  # slot 0 is vLLM's null block (padding)
-    fresh = torch.zeros_like(live)
-    if md.num_prefills:
-        fresh[md.num_decodes:] = ~md.has_initial_state[md.num_decodes:n].to(torch.bool)
-    read = live & ~fresh
-    # On CPU (where asking costs no device sync) whole batches skip the masked copies
-    cpu = records.device.type == "cpu"
-    all_live = cpu and bool(live.all())
-    if cpu and states.dtype == torch.float32 and bool(read.all()):  # decode batches: straight into the scratch
-        states[0].zero_()
-        decode_states(records[slots], pool, out=states[1:])
-    else:
-        states.zero_()
-        if bool(read.any()):
-            states[1:][read] = decode_states(records[slots[read]], pool).to(pool.native_dtype)
-    conv_scratch = torch.zeros((n + 1, *conv.shape[1:]), dtype=conv.dtype, device=conv.device)
-    conv_scratch[1:][live] = conv[slots[live]]
-    local = torch.arange(1, n + 1, dtype=md.non_spec_state_indices_tensor.dtype, device=slots.device)
-    changes = {"non_spec_state_indices_tensor": local}
-    if getattr(md, "prefill_state_indices", None) is not None:
-        changes["prefill_state_indices"] = local[md.num_decodes:n].to(md.prefill_state_indices.dtype)
-    # The CPU kernels view the state bytes as [HV, K, V] (key rows): the
-    # scratch is laid out that way and declared as vLLM's [HV, V, K]. The CUDA
-    # kernels read [HV, V, K] as it is: the scratch is transposed for them.
-    if cpu:
-        scratch = states.view(n + 1, heads, v, k)
-    else:
-        scratch = states.transpose(-1, -2).contiguous()
-    proxy = _StagedLayer(layer, (conv_scratch, scratch))
-
-    def finish():
-        new = scratch.view(n + 1, heads, k, v) if cpu else scratch.transpose(-1, -2)
-        conv[slots[live]] = conv_scratch[1:][live]
-        records[slots[live]] = encode_states(new[1:] if all_live else new[1:][live], pool)
-
-    return proxy, dataclasses.replace(md, **changes), finish
-
-
-def staged(run_native):
-    """Wrap vLLM's CPU GDN step ``run_native(layer, metadata, mixed_qkv, b,
-    a, out)`` so that it reads and writes packed records."""
-
-    @functools.wraps(run_native)
-    def run(layer, md, mixed_qkv, b, a, core_attn_out):
-        pool = layer_pool(layer)
-        if pool is None:
-            return run_native(layer, md, mixed_qkv, b, a, core_attn_out)
-        proxy, staged_md, finish = _stage(layer, md, pool)
-        run_native(proxy, staged_md, mixed_qkv, b, a, core_attn_out)
-        finish()
-
-    return run
-
-
 # The fast fit (reciprocals, hardware sqrt/divide for the per-row/column scale
 # math) stays within the kernel's bound against the reference (one quantization
 # step, at rounding boundaries), as the exact one does, and is ~20% faster on
 # the H200 (docs/kernels.md).
 FAST_DECODE = True
-QK_L2_EPS = 1e-6  # vLLM's GDN kernels: x / sqrt(sum x^2 + eps)
 
 
 def packed_decode(records, slots, plan, mixed_qkv, a, b, A_log, dt_bias, num_k_heads: int, out,
@@ -280,8 +97,7 @@ def packed_decode(records, slots, plan, mixed_qkv, a, b, A_log, dt_bias, num_k_h
         raise ValueError(f"mixed_qkv must be [N, {qk_dim + hv * vd}] ({num_k_heads} key heads of {kd}, {hv} value "
                          f"heads of {vd}), got {tuple(mixed_qkv.shape)}")
     qk = mixed_qkv[:, :qk_dim].float().reshape(n, 2 * num_k_heads, kd)
-    qk = qk / torch.sqrt((qk * qk).sum(-1, keepdim=True) + QK_L2_EPS)
-    q, k = qk[:, :num_k_heads] * kd**-0.5, qk[:, num_k_heads:]
+    q, k = codec.normalize_qk(qk[:, :num_k_heads], qk[:, num_k_heads:])
     v = mixed_qkv[:, qk_dim:].reshape(n, hv, vd)
     g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
     beta = torch.sigmoid(b.float())
@@ -312,75 +128,3 @@ def decode_plan(pool: LayerPool, device: torch.device):
     return pool.step_plan or None
 
 
-def _is_decode_batch(md) -> bool:
-    return md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
-
-
-def _fused_decode(layer, md, plan, mixed_qkv, b, a, core_attn_out) -> None:
-    """vLLM's non-speculative decode branch with the packed step: the conv
-    update on the native conv state, as vLLM runs it, then :func:`packed_decode`
-    on the layer's records."""
-    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
-    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
-
-    layer_pool(layer).triton_calls += 1
-    n = md.num_actual_tokens
-    conv, records = layer.kv_cache
-    slots = md.non_spec_state_indices_tensor[:n]
-    weight = layer.conv1d.weight
-    qkv = causal_conv1d_update(
-        mixed_qkv[:n], conv if is_conv_state_dim_first() else conv.transpose(-1, -2),
-        weight.view(weight.size(0), weight.size(2)), layer.conv1d.bias, layer.activation,
-        conv_state_indices=slots, validate_data=False)
-    packed_decode(records, slots, plan, qkv, a[:n], b[:n], layer.A_log, layer.dt_bias,
-                  layer.num_k_heads // layer.tp_size, core_attn_out[:n])
-
-
-def staged_forward_core(forward_core):
-    """The CUDA path, ``layer._forward_core(mixed_qkv, b, a, out)``, which
-    finds its metadata in vLLM's forward context: decode batches go through
-    the Triton step on the records in place, other batches are staged."""
-
-    @functools.wraps(forward_core)
-    def run(self, mixed_qkv, b, a, core_attn_out):
-        pool = layer_pool(self)
-        table = None
-        if pool is not None:
-            from vllm.forward_context import get_forward_context
-
-            table = get_forward_context().attn_metadata
-        md = table.get(self.prefix) if isinstance(table, dict) else None
-        if md is None:
-            return forward_core(self, mixed_qkv, b, a, core_attn_out)
-        if _is_decode_batch(md):
-            plan = decode_plan(pool, self.kv_cache[1].device)
-            if plan is not None:
-                return _fused_decode(self, md, plan, mixed_qkv, b, a, core_attn_out)
-        proxy, staged_md, finish = _stage(self, md, pool)
-        table[self.prefix] = staged_md
-        try:
-            forward_core(proxy, mixed_qkv, b, a, core_attn_out)
-        finally:
-            table[self.prefix] = md
-        finish()
-
-    return run
-
-
-def allocated_state_bytes(model) -> list[dict]:
-    """Per GDN layer of a loaded vLLM model (for ``LLM.apply_model``): the
-    recurrent state's per-slot shape and dtype, the bytes vLLM allocated per
-    slot (the whole page: conv state, recurrent state, padding) and, for a
-    packed pool, this rank's head widths and how many decode batches ran the
-    Triton step from Python (``triton_calls``: a CUDA graph replay runs it
-    without Python, so with graphs this counts warm-ups and captures)."""
-    out = []
-    for module in model.modules():
-        if hasattr(module, "_kvq_native_dtypes") and getattr(module, "kv_cache", None):
-            conv, ssm = module.kv_cache
-            pool = module.__dict__.get("_kvq_pool")
-            out.append({"layer": module.layer_idx, "shape": list(ssm.shape[1:]), "dtype": str(ssm.dtype),
-                        "page_bytes": conv.stride(0) * conv.element_size(),
-                        "bits": list(pool.layout.bits) if pool else None,
-                        "triton_calls": pool.triton_calls if pool else 0})
-    return out

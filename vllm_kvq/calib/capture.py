@@ -48,6 +48,7 @@ class StatsCollector:
         self.sink = sink
         self.layers: dict[int, LayerStats] = {}
         self.mode = "covariance"  # or "proxy" (second pass) or "hold_out"
+        self.perturb = None  # {layer: attention(q, k, v, scaling) -> [B, T, Hq, D]}: those layers' attention replaced
 
     def stats(self, layer: int, device) -> LayerStats:
         if layer not in self.layers:
@@ -57,6 +58,11 @@ class StatsCollector:
         return self.layers[layer]
 
     def __call__(self, module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        if self.perturb is not None:
+            if module.layer_idx in self.perturb:
+                return self.perturb[module.layer_idx](query, key, value, scaling), None
+            return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                                  enable_gqa=True).transpose(1, 2), None
         b, hq, t, d = query.shape
         h = key.shape[1]
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
@@ -89,6 +95,14 @@ def load_model(model_dir: str, device: str, dtype: torch.dtype, collector: Stats
     AttentionInterface.register(ATTN_NAME, collector)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTN_NAME)
     return model.to(device).eval()
+
+
+@torch.no_grad()
+def window_log_probs(model, ids: list[int], device: str, first: int = 0) -> torch.Tensor:
+    """``[T - first, vocab]`` fp32: the model's next-token log-probabilities at
+    positions ``first ..`` of one window."""
+    logits = model(torch.tensor([ids], device=device), use_cache=False).logits[0, first:]
+    return F.log_softmax(logits.float(), dim=-1)
 
 
 @torch.no_grad()

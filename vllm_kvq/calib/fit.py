@@ -6,25 +6,32 @@ import torch
 
 from vllm_kvq.artifacts import OscarArtifact
 from vllm_kvq.calib.capture import LayerStats
-from vllm_kvq.artifacts.schema import Tiers, zero_columns, zero_width
-from vllm_kvq.calib.rotation import oscar_rotation, tiered_rotation
+from vllm_kvq.calib.rotation import eigen_order, oscar_rotation, tiered_rotation
+from vllm_kvq.kernels.oscar.format import LayerTiers, TierPlan
 from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_probs
 
 CLIP_GRID = (1.0, 0.98, 0.96, 0.94, 0.92, 0.9, 0.88, 0.85, 0.8)
 
 
-def rotations(stats: LayerStats, granularity: str, value_target: str, tiers: Tiers | None = None,
+def value_covariance(stats: LayerStats, value_target: str) -> torch.Tensor:
+    return {"exact": stats.cs, "proxy": stats.cv}[value_target]
+
+
+def rotations(stats: LayerStats, granularity: str, value_target: str, tiers: LayerTiers | None = None,
               layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """R_K and R_V for one layer: ``[D, D]`` (layer) or ``[H, D, D]`` (kv_head);
     with ``tiers`` (kv_head only), tiered rotations of the same covariances."""
-    v_cov = {"exact": stats.cs, "proxy": stats.cv}[value_target]
+    v_cov = value_covariance(stats, value_target)
     if tiers is not None:
         if granularity != "kv_head":
             raise ValueError("tiered rotations need granularity kv_head")
-        pairs_k = [tiered_rotation(c.cpu(), tiers["k"], layer, h) for h, c in enumerate(stats.cq)]
-        pairs_v = [tiered_rotation(c.cpu(), tiers["v"], layer, h) for h, c in enumerate(v_cov)]
-        rk, ek = torch.stack([p[0] for p in pairs_k]), torch.stack([p[1] for p in pairs_k])
-        rv, ev = torch.stack([p[0] for p in pairs_v]), torch.stack([p[1] for p in pairs_v])
+        out = {}
+        for kind, covs in (("k", stats.cq), ("v", v_cov)):
+            orders = [eigen_order(c.cpu()) for c in covs]
+            plan = getattr(tiers, kind)
+            out[kind] = (torch.stack([tiered_rotation(u, plan, layer, h) for h, (u, _) in enumerate(orders)]),
+                         torch.stack([ev for _, ev in orders]))
+        (rk, ek), (rv, ev) = out["k"], out["v"]
     elif granularity == "layer":
         rk, ek = oscar_rotation(stats.cq.mean(0).cpu())
         rv, ev = oscar_rotation(v_cov.mean(0).cpu())
@@ -36,19 +43,17 @@ def rotations(stats: LayerStats, granularity: str, value_target: str, tiers: Tie
     return rk, rv, {"k_eigenvalues": ek, "v_eigenvalues": ev}
 
 
-def fills(stats: LayerStats, rk: torch.Tensor, rv: torch.Tensor, tiers: Tiers) -> dict[str, torch.Tensor]:
-    """Per kind with a 0-bit tier: ``[H, width0]`` fp32 = mean row (positions >= sink)
-    times the stored rotation's 0-bit columns."""
-    out = {}
-    for kind, r, total in (("k", rk, stats.k_sum), ("v", rv, stats.v_sum)):
-        if zero_width(tiers[kind]):
-            if not stats.n_mean:
-                raise ValueError("no calibration rows past the sink to take the 0-bit tiers' mean from; "
-                                 "use a --seq-len longer than --sink")
-            mean = total.cpu() / stats.n_mean  # [H, D] fp64
-            cols = r.double()[:, :, zero_columns(tiers[kind])]  # [H, D, width0]
-            out[kind] = (mean.unsqueeze(1) @ cols).squeeze(1).float()
-    return out
+def zero_fill(stats: LayerStats, kind: str, rotation: torch.Tensor, plan: TierPlan) -> torch.Tensor | None:
+    """``[H, zero]`` fp32: the mean row (positions >= sink) times the rotation's
+    0-bit columns (the last ``plan.zero``); None without a 0-bit tier."""
+    if not plan.zero:
+        return None
+    if not stats.n_mean:
+        raise ValueError("no calibration rows past the sink to take the 0-bit tiers' mean from; "
+                         "use a --seq-len longer than --sink")
+    mean = (stats.k_sum if kind == "k" else stats.v_sum).cpu() / stats.n_mean  # [H, D] fp64
+    cols = rotation.double()[..., -plan.zero:]  # [H, D, zero]
+    return (mean.unsqueeze(1) @ cols).squeeze(1).float()
 
 
 def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
@@ -80,35 +85,42 @@ class HeldOut:
         return ((approx - self.exact).norm() / self.exact.norm()).item()
 
 
-def fit_clip(held: dict, rk, rv, group: int, sink: int, window: int) -> tuple[float, float, dict]:
-    """Per-layer clip ratios minimising the attention-output error on held-out
-    tokens: keys first (values unclipped), then values at the chosen key ratio."""
+def fit_clip(held: dict, rk, rv, sink: int, window: int) -> tuple[float, float, dict]:
+    """Per-layer clip ratios of INT2 rows minimising the attention-output error
+    on held-out tokens: keys first (values unclipped), then values at the
+    chosen key ratio."""
     h = HeldOut(held, rk, rv, sink, window)
-    v_plain = fake_quantize(h.v, group, 1.0)
-    k_err = {c: h.error(h.probs(fake_quantize(h.k, group, c)), v_plain) for c in CLIP_GRID}
+    plan = TierPlan.int2_only(h.k.shape[-1])
+    v_plain = fake_quantize(h.v, plan, 1.0)
+    k_err = {c: h.error(h.probs(fake_quantize(h.k, plan, c)), v_plain) for c in CLIP_GRID}
     ck = min(k_err, key=k_err.get)
-    probs = h.probs(fake_quantize(h.k, group, ck))  # the softmax does not depend on the value clip
-    v_err = {c: h.error(probs, fake_quantize(h.v, group, c)) for c in CLIP_GRID}
+    probs = h.probs(fake_quantize(h.k, plan, ck))  # the softmax does not depend on the value clip
+    v_err = {c: h.error(probs, fake_quantize(h.v, plan, c)) for c in CLIP_GRID}
     cv = min(v_err, key=v_err.get)
     return ck, cv, {"k_error": k_err, "v_error": v_err}
 
 
 def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity: str, value_target: str,
-                   clip: str, k_clip: float, v_clip: float, group: int, sink: int, window: int,
-                   provenance: dict, tiers: Tiers | None = None) -> OscarArtifact:
+                   clip: str, k_clip: float, v_clip: float, sink: int, window: int,
+                   provenance: dict, tiers: dict[int, LayerTiers] | None = None) -> OscarArtifact:
+    """The artifact of captured statistics: rotations per layer (tiered where
+    ``tiers`` gives each layer's plan), 0-bit means, clip ratios."""
     ks, vs, kc, vc, report = {}, {}, {}, {}, {}
     spectra = {"k": {}, "v": {}}
-    fill = {}
+    fill = {"k": {}, "v": {}}
     for idx in sorted(layers):
         st = layers[idx]
-        rk, rv, ev = rotations(st, granularity, value_target, tiers, idx)
+        plan = None if tiers is None else tiers[idx]
+        rk, rv, ev = rotations(st, granularity, value_target, plan, idx)
         ks[idx], vs[idx] = rk, rv
-        if tiers is not None:
-            for kind, f in fills(st, rk, rv, tiers).items():
-                fill.setdefault(kind, {})[idx] = f
+        if plan is not None:
+            for kind, r in (("k", rk), ("v", rv)):
+                f = zero_fill(st, kind, r, getattr(plan, kind))
+                if f is not None:
+                    fill[kind][idx] = f
         spectra["k"][idx], spectra["v"][idx] = ev["k_eigenvalues"], ev["v_eigenvalues"]
         if clip == "fitted":
-            kc[idx], vc[idx], errors = fit_clip(st.held_out, rk, rv, group, sink, window)
+            kc[idx], vc[idx], errors = fit_clip(st.held_out, rk, rv, sink, window)
             report[idx] = errors
         else:
             kc[idx], vc[idx] = k_clip, v_clip
@@ -119,6 +131,6 @@ def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity
     return OscarArtifact(
         fingerprint=fingerprint, head_dim=fingerprint["head_dim"], num_kv_heads=fingerprint["num_key_value_heads"],
         layers=sorted(layers), granularity=granularity, k_rotation=ks, v_rotation=vs, k_clip=kc, v_clip=vc,
-        group_size=group, sink=sink, window=window, provenance=prov, eigenvalues=spectra,
-        tiers=tiers, fill=fill,
+        sink=sink, window=window, provenance=prov, eigenvalues=spectra, tiers=tiers,
+        fill={kind: t for kind, t in fill.items() if t},
     )

@@ -5,11 +5,11 @@ outputs or score-weighted values for values), H the orthonormal Sylvester
 Hadamard matrix and P_br the eigenvalue-sorted bit-reversal permutation, which
 spreads the strongest directions across quantization groups.
 
-A tiered rotation (``--tiers``) keeps the eigen-directions in descending
-eigenvalue order and cuts them into tiers ``[(width, bits), ...]``; each stored
-tier is mixed among itself by an orthogonal spreader S_i, so
-``R = [U_1 S_1 | U_2 S_2 | ...]`` with U_i the tier's eigenvectors. A 0-bit
-tier (not stored) keeps its eigenvectors as they are.
+A tiered rotation keeps the eigen-directions in descending eigenvalue order
+and cuts them into the tiers of a :class:`~vllm_kvq.kernels.oscar.format.TierPlan`
+(INT4, INT2, not stored); each stored tier is mixed among itself by an
+orthogonal spreader S_i, so ``R = [U_1 S_1 | U_2 S_2 | ...]`` with U_i the
+tier's eigenvectors. A 0-bit tier keeps its eigenvectors as they are.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvq.artifacts.builtin import hadamard
+from vllm_kvq.kernels.oscar.format import TierPlan
 
 
 def bit_reversal(d: int) -> list[int]:
@@ -70,19 +71,20 @@ def tier_seed(layer: int, head: int, tier: int) -> int:
     return 1000 * layer + 10 * head + tier
 
 
-def tiered_rotation(cov: torch.Tensor, tiers: list[tuple[int, int]], layer: int,
-                    head: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(R, eigenvalues)``: columns ``[U[:, s_i:s_i+w_i] @ S_i ...]`` over the tiers,
-    U the eigenvectors in descending eigenvalue order, S_i the spreader of tier
-    i (seed ``1000*layer + 10*head + i``; identity for a 0-bit tier).
-    Eigenvalues as :func:`oscar_rotation` returns them (ascending)."""
+def eigen_order(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U, eigenvalues)``: eigenvectors in descending eigenvalue order (fp64)
+    and the eigenvalues as :func:`oscar_rotation` returns them (ascending)."""
     evals, evecs = _eigh(cov)
-    u = evecs[:, torch.argsort(evals, descending=True)]
+    return evecs[:, torch.argsort(evals, descending=True)], evals.float()
+
+
+def tiered_rotation(u: torch.Tensor, plan: TierPlan, layer: int, head: int) -> torch.Tensor:
+    """R: columns ``[U[:, s_i:s_i+w_i] @ S_i ...]`` over the plan's tiers (U from
+    :func:`eigen_order`), S_i the spreader of tier i (seed ``1000*layer +
+    10*head + i``; identity for a 0-bit tier)."""
     cols, start = [], 0
-    for i, (width, bits) in enumerate(tiers):
+    for i, (width, bits) in enumerate(plan.pairs):
         block = u[:, start:start + width]
         cols.append(block @ spreader(width, tier_seed(layer, head, i)) if bits else block)
         start += width
-    if start != u.shape[0]:
-        raise ValueError(f"tier widths {tiers} sum to {start}, not head_dim {u.shape[0]}")
-    return torch.cat(cols, dim=1).float(), evals.float()
+    return torch.cat(cols, dim=1).float()

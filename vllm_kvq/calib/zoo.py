@@ -1,4 +1,4 @@
-"""Import the OSCAR authors' RotationZoo ``.pt`` files into schema v1.
+"""Import the OSCAR authors' RotationZoo ``.pt`` files into an OSCAR INT2 artifact.
 
 The files hold plain dicts of tensors (``format_version`` 1: one ``[D, D]``
 rotation per layer; 2: ``[H_kv, D, D]`` per KV head). They are read with
@@ -13,7 +13,13 @@ from vllm_kvq.artifacts import ArtifactError, OscarArtifact
 
 
 def read_zoo(path: str) -> dict[int, torch.Tensor]:
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    import pickle
+
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ArtifactError(f"{path}: holds more than plain tensors (pickled objects, which are never run); ask "
+                            "for a RotationZoo file of dicts of tensors, or re-save it with tensors only") from e
     if not isinstance(blob, dict) or "layers" not in blob:
         raise ArtifactError(f"{path}: not a RotationZoo file (no 'layers')")
     version = blob.get("format_version", 1)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from vllm_kvq.kernels.stepquant.format import PIVOT, PIVOT_BUDGET_BITS
+
 CANDIDATES = {6: (4, 6, 8), 4: (2, 4, 6, 8)}
-PIVOT_WIDTH = 16
-PIVOT_BUDGET_BITS = 8
 GAMMA = 0.25
 HORIZON = 2048
 PIVOT_FRACTION = 32 / 2304  # the paper's 32 of 2,304 Qwen heads
@@ -101,7 +101,7 @@ def allocate_layer(cost: np.ndarray, widths: tuple[int, ...], nominal: int, pivo
         chosen = sorted(order[:pivots])
     rest = [h for h in range(hv) if h not in chosen]
     sub, total = knapsack(cost[rest], widths, nominal * hv - PIVOT_BUDGET_BITS * pivots)
-    bits = [PIVOT_WIDTH] * hv
+    bits = [PIVOT] * hv
     for h, b in zip(rest, sub):
         bits[h] = b
     return LayerPlan(bits, chosen, total)

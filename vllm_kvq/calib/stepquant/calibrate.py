@@ -14,6 +14,7 @@ from vllm_kvq.calib.stepquant.allocate import GAMMA, HORIZON, PIVOT_FRACTION
 from vllm_kvq.calib.stepquant.capture import load_model, run_windows
 from vllm_kvq.calib.stepquant.plan import fit_plan
 from vllm_kvq.calib.stepquant.stats import RESERVOIR, SEED, SNAPSHOT_EVERY, StateStatsCollector
+from vllm_kvq.kernels.stepquant.format import BUDGETS
 
 TOKENS = 16384  # 8 windows of 2048
 SEQ_LEN = 2048
@@ -21,7 +22,7 @@ SEQ_LEN = 2048
 
 def calibrate_stepquant(model: str, data: str, out: str, *, tokens: int = TOKENS, seq_len: int = SEQ_LEN,
                         pivot_fraction: float = PIVOT_FRACTION, horizon: int = HORIZON, gamma: float = GAMMA,
-                        budgets=(6, 4), snapshots: int = RESERVOIR, device: str = "cpu", dtype: str = "float32",
+                        budgets=BUDGETS, snapshots: int = RESERVOIR, device: str = "cpu", dtype: str = "float32",
                         tokenizer: str | None = None) -> Path:
     from transformers import AutoConfig, AutoTokenizer
 

@@ -9,9 +9,10 @@ from vllm_kvq.calib.stepquant.allocate import (CANDIDATES, GAMMA, HORIZON, PIVOT
                                                impact_factors, lifetime_weight, pivot_count)
 from vllm_kvq.calib.stepquant.distortion import distortions
 from vllm_kvq.calib.stepquant.stats import LayerStats
+from vllm_kvq.kernels.stepquant.format import BUDGETS
 
 
-def fit_plan(stats: dict[int, LayerStats], fingerprint: dict, geometry: dict, *, budgets=(6, 4),
+def fit_plan(stats: dict[int, LayerStats], fingerprint: dict, geometry: dict, *, budgets=BUDGETS,
              horizon: int = HORIZON, gamma: float = GAMMA, pivot_fraction: float = PIVOT_FRACTION,
              provenance: dict | None = None) -> StepQuantPlan:
     """Per layer: w from ω, L from ℓ, d from the codec on the snapshots, then the DP per budget."""

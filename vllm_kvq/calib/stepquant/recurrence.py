@@ -20,14 +20,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_kvq.calib.stepquant.threads import single_thread
-
-L2_EPS = 1e-6
-
-
-def l2_normalize(x: torch.Tensor) -> torch.Tensor:
-    """``x / sqrt(Σx² + eps)``: the normalisation the GDN kernels apply."""
-    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
-
+from vllm_kvq.kernels.stepquant.reference import normalize_qk
 
 def prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel: bool):
     """Kernel inputs ``[B, T, H, D]`` / ``[B, T, H]`` → fp32 ``[B, H, T, ...]``.
@@ -45,8 +38,9 @@ def prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel: bool):
         key = key.repeat_interleave(hv // hk, dim=2)
     q, k, v, g, beta = (x.transpose(1, 2).float().contiguous() for x in (query, key, value, g, beta))
     if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
-    q = q * q.shape[-1] ** -0.5
+        q, k = normalize_qk(q, k)
+    else:
+        q = q * q.shape[-1] ** -0.5
     return q, k, v, g, beta
 
 

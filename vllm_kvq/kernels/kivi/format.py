@@ -2,7 +2,7 @@
 
 Keys are quantized **per channel** over groups of ``T = 32`` consecutive
 positions (one fp16 (scale, min) pair per channel and group), values **per
-token** over groups of ``G`` channels, as in OSCAR. Nothing is rotated. The
+token**, one INT2 group a row as in OSCAR INT2. Nothing is rotated. The
 request's BF16 sink and window live in state blocks exactly as in
 :mod:`vllm_kvq.kernels.oscar.format`.
 
@@ -12,9 +12,9 @@ Data block region (per KV head, ``KB`` a multiple of ``T``)::
     0                               KB * D/4        K codes   [KB, D/4] uint8, quartered
     KB * D/4                        KB * D/4        V codes   [KB, D/4] uint8, quartered
     KB * D/2                        KB * D/8        K (scale, min) [KB/T, D, 2] fp16
-    KB * D/2 + KB * D/8             KB * 4D/G       V (scale, min) [KB, D/G, 2] fp16
+    KB * D/2 + KB * D/8             KB * 4          V (scale, min) [KB, 2] fp16
                                     ------------
-                                    KB * C,  C = D/2 + D/8 + 4D/G
+                                    KB * C,  C = D/2 + D/8 + 4
 
 ``T`` is the ``key_group`` setting (32 as in KIVI; 64 gives keys 2.5 bits, 128
 gives 2.25). A key group can be quantized only once its ``T`` positions are known: it is
@@ -26,7 +26,7 @@ With ``key_pairs = "int8"`` a key group stores one fp16 step (its largest
 ``2D + 2`` bytes per group, so 9 B per token at D = 128, T = 32 (77 B per token
 and head, 2.406 bits per element).
 
-Worked size (D = 128, G = 128, T = 32): C = 32 + 32 + 16 + 4 = 84 B per token
+Worked size (D = 128, T = 32): C = 32 + 32 + 16 + 4 = 84 B per token
 and head (keys 3 bits, values 2.25 bits, 2.625 bits per element on average),
 against 72 B for OSCAR and 512 B for BF16.
 """
@@ -35,13 +35,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.oscar.format import PagedFormat
 
 TOKEN_GROUP = 32
 
 
 @dataclass(frozen=True)
-class KiviFormat(OscarFormat):
+class KiviFormat(PagedFormat):
     """Sizes and offsets of one KIVI-style layer's pages."""
 
     token_group: int = TOKEN_GROUP
@@ -66,6 +66,11 @@ class KiviFormat(OscarFormat):
             )
 
     @property
+    def code_bytes(self) -> int:
+        """Packed INT2 codes of one row (K or V)."""
+        return self.head_size // 4
+
+    @property
     def k_group_bytes(self) -> int:
         """Bytes of one key group's per-channel pairs (and its step, for int8)."""
         return 4 * self.head_size if self.key_pairs == "fp16" else 2 * self.head_size + 2
@@ -77,7 +82,15 @@ class KiviFormat(OscarFormat):
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.code_bytes + self.k_scale_bytes + self.scale_bytes
+        return 2 * self.code_bytes + self.k_scale_bytes + 4
+
+    @property
+    def v_codes_offset(self) -> int:
+        return self.block_size * self.code_bytes
+
+    @property
+    def k_scale_offset(self) -> int:
+        return 2 * self.block_size * self.code_bytes
 
     @property
     def v_scale_offset(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from vllm_kvq.kernels.kivi.format import KiviFormat
 from vllm_kvq.kernels.oscar import reference as oscar
+from vllm_kvq.kernels.oscar.format import TierPlan
 
 
 def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +86,7 @@ class KiviPages:
         def region(offset: int, size: int) -> torch.Tensor:
             return flat[:, :, offset : offset + size]
 
-        self.k_codes = region(fmt.k_codes_offset, kb * cb).unflatten(-1, (kb, cb))
+        self.k_codes = region(0, kb * cb).unflatten(-1, (kb, cb))
         self.v_codes = region(fmt.v_codes_offset, kb * cb).unflatten(-1, (kb, cb))
         groups = kb // fmt.token_group
         k_pairs = region(fmt.k_scale_offset, groups * fmt.k_group_bytes).unflatten(-1, (groups, fmt.k_group_bytes))
@@ -94,11 +95,9 @@ class KiviPages:
             self.k_scale = k_pairs[..., 2:].view(torch.int8).unflatten(-1, (d, 2))
         else:
             self.k_scale = k_pairs.view(torch.float16).unflatten(-1, (d, 2))
-        self.v_scale = (region(fmt.v_scale_offset, kb * fmt.scale_bytes).view(torch.float16)
-                        .unflatten(-1, (kb, fmt.groups, 2)))
-        rows = fmt.state_rows_per_block
-        self.state = flat[:, :, : rows * fmt.state_row_bytes].view(torch.bfloat16).unflatten(
-            -1, (rows, 2, d))
+        self.v_scale = region(fmt.v_scale_offset, kb * 4).view(torch.float16).unflatten(-1, (kb, 1, 2))
+        self.state = oscar.state_rows(kv_cache, fmt)
+        self.values = TierPlan.int2_only(d)  # values: OSCAR INT2 rows
 
 
 def _group_start(pos: int, fmt: KiviFormat) -> int:
@@ -110,10 +109,9 @@ def read_context(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx
     k_bf16, v_bf16). Keys of the open group (from ``ctx`` rounded down to a
     group start) have no INT2 form yet: they are the BF16 rows there."""
     positions = torch.arange(ctx, device=block_row.device)
-    blk, off = oscar._data_location(block_row, positions, fmt)
-    v_q = oscar.dequantize_rows(oscar.unpack_codes(pages.v_codes[blk, :, off]),
-                                pages.v_scale[blk, :, off], fmt.group_size)
-    k_codes = oscar.unpack_codes(pages.k_codes[blk, :, off])  # [ctx, H, D]
+    blk, off = oscar.data_location(block_row, positions, fmt)
+    v_q = oscar.dequantize(pages.v_codes[blk, :, off], pages.v_scale[blk, :, off], pages.values)
+    k_codes = oscar.unpack_codes(pages.k_codes[blk, :, off], 2)  # [ctx, H, D]
     grp = off // fmt.token_group
     if fmt.key_pairs == "int8":
         step = pages.k_step[blk, :, grp].contiguous().view(torch.float16)[..., 0]  # [ctx, H]
@@ -136,8 +134,8 @@ def attend_and_write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor,
     end = ctx + t
     k_bf = k.to(torch.bfloat16).float()
     v_bf = v.to(torch.bfloat16).float()
-    v_quant = oscar.quantize_rows(v_bf, fmt.group_size, v_clip)
-    v_lo_new = oscar.dequantize_rows(*v_quant, fmt.group_size)
+    v_quant = oscar.quantize(v_bf, pages.values, v_clip)
+    v_lo_new = oscar.dequantize(*v_quant, pages.values)
     if ctx > 0:
         k_q, v_q, k_hi, v_hi = read_context(pages, fmt, block_row, ctx)
         k_hi, v_hi = torch.cat((k_hi, k_bf)), torch.cat((v_hi, v_bf))
@@ -160,20 +158,18 @@ def _write(pages: KiviPages, fmt: KiviFormat, block_row: torch.Tensor, ctx: int,
            tail: torch.Tensor, first: int) -> None:
     end = ctx + k_bf.shape[0]
     positions = torch.arange(ctx, end, device=k_bf.device)
-    blk, off = oscar._data_location(block_row, positions, fmt)
-    vc, vs = v_quant
-    pages.v_codes[blk, :, off] = oscar.pack_codes(vc)
-    pages.v_scale[blk, :, off] = vs
+    blk, off = oscar.data_location(block_row, positions, fmt)
+    pages.v_codes[blk, :, off], pages.v_scale[blk, :, off] = v_quant
     tg = fmt.token_group
     for g in range(first, end - tg + 1, tg):
         seg = tail[g - first : g - first + tg]
         gpos = torch.arange(g, g + tg, device=k_bf.device)
-        gblk, goff = oscar._data_location(block_row, gpos, fmt)
+        gblk, goff = oscar.data_location(block_row, gpos, fmt)
         if fmt.key_pairs == "int8":
             codes, pairs, step = quantize_channels_int8(seg)
             pages.k_step[gblk[0], :, goff[0] // tg] = step.contiguous().view(torch.uint8).view(-1, 2)
         else:
             codes, pairs = quantize_channels(seg)
-        pages.k_codes[gblk, :, goff] = oscar.pack_codes(codes)
+        pages.k_codes[gblk, :, goff] = oscar.pack_codes(codes, 2)
         pages.k_scale[gblk[0], :, goff[0] // tg] = pairs
     oscar.write_state_rows(pages.state, fmt, block_row, ctx, k_bf, v_bf)

@@ -1,46 +1,52 @@
-"""Byte layout of the OSCAR INT2 KV cache inside vLLM's paged blocks.
+"""Byte layout of the OSCAR cache inside vLLM's paged blocks.
+
+A rotated K or V row is cut into **tiers** of directions, strongest first:
+``int4`` directions stored at 4 bits, then ``int2`` at 2 bits, then ``zero``
+directions not stored at all (read back as their calibrated mean, the
+artifact's ``fill``). Each stored tier is one quantization group with its own
+fp16 (scale, min): min-max over the tier, INT2 tiers clipped first at the
+layer's ratio, INT4 tiers not. OSCAR INT2 is the one-tier case (every
+direction at 2 bits).
 
 vLLM hands the backend one uint8 tensor per layer, ``[num_blocks, H, KB, C]``
 (layout LBHNC), so every (block, KV head) pair owns one contiguous region of
-``KB * C`` bytes. A request's block table holds two kinds of blocks:
+``KB * C`` bytes. A request's block table starts with ``R`` **state blocks**
+(its BF16 sink and recent window) followed by **data blocks** of ``KB`` tokens.
 
-* its first ``R`` entries are **state blocks**: the BF16 sink and recent window
-  of that request (O(S0 + W) bytes per request, whatever its length);
-* every later entry is a **data block** of ``KB`` tokens, stored INT2.
+Data block region (per KV head), with ``KC`` / ``VC`` the code bytes of one K /
+V row and ``NK`` / ``NV`` their stored tiers::
 
-Data block region (per KV head), with D = head size, G = group size::
+    offset                      size         content
+    0                           KB * KC      K codes  [KB, KC] (token-major)
+    KB * KC                     KB * VC      V codes  [VC, KB] (byte-major: byte b of token t at b * KB + t)
+    KB * (KC + VC)              KB * 4 NK    K (scale, min) [KB, NK, 2] fp16
+    KB * (KC + VC + 4 NK)       KB * 4 NV    V (scale, min) [KB, NV, 2] fp16
+                                -----------
+                                KB * C,  C = KC + VC + 4 (NK + NV)
 
-    offset                     size            content
-    0                          KB * D/4        K codes   [KB, D/4] uint8 (token-major)
-    KB * D/4                   KB * D/4        V codes   [D/4, KB] uint8 (byte-major)
-    KB * D/2                   KB * 4D/G       K (scale, min) [KB, D/G, 2] fp16
-    KB * D/2 + KB * 4D/G       KB * 4D/G       V (scale, min) [KB, D/G, 2] fp16
-                               -----------
-                               KB * C,  C = D/2 + 8D/G
-
-Codes are packed four to a byte, "quartered": byte ``b`` of a row holds the
-codes of elements ``b``, ``b + D/4``, ``b + D/2``, ``b + 3D/4`` in bits 0-1, 2-3,
-4-5, 6-7. A kernel unpacks a row with four shifts into four contiguous quarters.
-The dequantized value is ``code * scale + min`` (asymmetric min-max, 4 levels).
-
-K codes are stored token by token, V codes byte by byte: V's region holds
-byte 0 of the block's KB tokens, then byte 1 of them, and so on (byte ``b`` of
-token ``t`` at ``b * KB + t``). Decode multiplies keys by the query along the
-head dimension but sums values over tokens, and the tensor cores take both
-products' operands in pairs along the summed axis: a 32-bit load then holds
-four consecutive head elements of a key and four consecutive tokens of a
-value byte, each ready to unpack in registers.
+A row's code bytes hold its INT4 tier, then its INT2 tier. INT4 codes are
+"halved": byte ``b`` holds element ``b`` in the low and ``b + w/2`` in the
+high nibble (``w`` the tier's width). INT2 codes are "quartered": byte ``b``
+holds elements ``b, b + w/4, b + w/2, b + 3w/4`` in bits 0-1, 2-3, 4-5, 6-7.
+Elements count from the tier's first direction. A code dequantizes as
+``code * scale + min``. V's codes are byte-major because decode sums values
+over tokens: one load then brings consecutive tokens of one code byte, as one
+brings consecutive code bytes of a key.
 
 State block region (per KV head): ``rows = (KB * C) // (4D)`` slots of one BF16
 K row and one BF16 V row each (``[rows, 2, D]`` bf16, the tail unused). The R
 state blocks together give ``S0 + W`` slots: slot ``p`` holds sink position
 ``p < S0``; slot ``S0 + (p - S0) % W`` holds window position ``p >= S0``.
 
-Worked size (the default: D = 128, G = 128, KB = 128, S0 = 64, W = 256):
-C = 64 + 8 = 72 B per token and head for K and V together (2.25 bits per
-element), against 512 B in BF16 (7.1x). A data block is 128 * 72 = 9216 B per
-head; a state block holds 9216 // 512 = 18 slots, so R = ceil(320 / 18) = 18
-state blocks (165,888 B per head, 1.25% more than the 320 BF16 rows).
+Worked sizes (D = 128, KB = 128, S0 = 64, W = 256):
+
+* OSCAR INT2 (K ``128x2``, V ``128x2``): KC = VC = 32, one pair each:
+  C = 72 B per token and head (2.25 bits per element, 7.1x less than BF16's
+  512). A data block is 9,216 B per head; a state block holds 18 slots, so
+  R = 18.
+* Tiers K ``48x4,80x2`` and V ``16x4,48x2,64x0``: KC = 24 + 20 = 44, VC =
+  8 + 12 = 20, two pairs each: C = 80 B (2.5 bits per element). A state block
+  holds 20 slots, so R = 16.
 
 Every token of a request is quantized into its data block when written (sink
 and window tokens too), so a row never has to move when it leaves the window.
@@ -50,77 +56,178 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+WIDTH_STEP = 16
+"""Tier widths are multiples of this (the kernels unpack at least 4 bytes of
+INT2 or 8 bytes of INT4 codes at a time)."""
+TIER_EXAMPLE = "k=48x4,80x2;v=16x4,48x2,64x0"
+
+
+class TierError(ValueError):
+    """A tier plan the format cannot store; the message names the fix."""
+
 
 @dataclass(frozen=True)
-class OscarFormat:
-    """Sizes and offsets of one OSCAR layer's pages."""
+class TierPlan:
+    """One kind's (K or V) directions by storage: ``int4`` strongest, then
+    ``int2``, then ``zero`` (not stored)."""
+
+    int4: int = 0
+    int2: int = 0
+    zero: int = 0
+
+    @classmethod
+    def int2_only(cls, head_size: int) -> "TierPlan":
+        return cls(int2=head_size)
+
+    @classmethod
+    def from_pairs(cls, pairs, where: str = "tiers") -> "TierPlan":
+        """From ``[(width, bits), ...]`` strongest first, as manifests and
+        ``--tiers`` write them: at most one tier per bit width, 4 before 2
+        before 0."""
+        if not isinstance(pairs, (list, tuple)) or not pairs:
+            raise TierError(f"{where}: give a non-empty list of [width, bits] tiers, e.g. {TIER_EXAMPLE!r}")
+        widths, last = {}, None
+        for pair in pairs:
+            if not (isinstance(pair, (list, tuple)) and len(pair) == 2
+                    and all(isinstance(x, int) and not isinstance(x, bool) for x in pair)):
+                raise TierError(f"{where}: a tier is a [width, bits] pair of integers, got {pair!r}")
+            width, bits = pair
+            if bits not in (4, 2, 0):
+                raise TierError(f"{where}: tier {width}x{bits} has {bits} bits; bits must be 4, 2 or 0")
+            if bits in widths or (last is not None and bits > last):
+                raise TierError(f"{where}: tiers go strongest first with one tier per width in bits (4, then "
+                                f"2, then 0), got {format_pairs(pairs)}; e.g. {TIER_EXAMPLE!r}")
+            widths[bits], last = width, bits
+        return cls(widths.get(4, 0), widths.get(2, 0), widths.get(0, 0))
+
+    def check(self, head_size: int, where: str = "tiers") -> "TierPlan":
+        for width, bits in self.pairs:
+            if width <= 0 or width % WIDTH_STEP:
+                raise TierError(f"{where}: tier {width}x{bits} has width {width}; widths must be positive "
+                                f"multiples of {WIDTH_STEP}")
+        if self.width != head_size:
+            raise TierError(f"{where}: tier widths sum to {self.width}, not the head size {head_size}; make "
+                            f"them add up to {head_size}")
+        if not self.stored:
+            raise TierError(f"{where}: every tier is 0-bit, so nothing of the row would be stored")
+        return self
+
+    @property
+    def pairs(self) -> tuple[tuple[int, int], ...]:
+        """``(width, bits)`` of the non-empty tiers, strongest first."""
+        return tuple((w, b) for w, b in ((self.int4, 4), (self.int2, 2), (self.zero, 0)) if w)
+
+    @property
+    def width(self) -> int:
+        return self.int4 + self.int2 + self.zero
+
+    @property
+    def stored(self) -> int:
+        """Stored tiers: (scale, min) pairs per row."""
+        return (self.int4 > 0) + (self.int2 > 0)
+
+    @property
+    def code_bytes(self) -> int:
+        return self.int4 // 2 + self.int2 // 4
+
+    @property
+    def row_bytes(self) -> int:
+        """Codes plus fp16 pairs of one row."""
+        return self.code_bytes + 4 * self.stored
+
+    def __str__(self) -> str:
+        return format_pairs(self.pairs)
+
+
+def format_pairs(pairs) -> str:
+    return ",".join(f"{w}x{b}" for w, b in pairs)
+
+
+@dataclass(frozen=True)
+class LayerTiers:
+    """The K and V tier plans of one layer."""
+
+    k: TierPlan
+    v: TierPlan
+
+    @classmethod
+    def int2_only(cls, head_size: int) -> "LayerTiers":
+        return cls(TierPlan.int2_only(head_size), TierPlan.int2_only(head_size))
+
+    @classmethod
+    def parse(cls, spec: str) -> "LayerTiers":
+        """``"k=48x4,80x2;v=16x4,48x2,64x0"`` (syntax only; :meth:`check`
+        checks it against a head size)."""
+        plans = {}
+        for part in filter(None, (p.strip() for p in spec.split(";"))):
+            kind, eq, body = part.partition("=")
+            kind = kind.strip()
+            if not eq or kind not in ("k", "v") or kind in plans:
+                raise TierError(f"--tiers: cannot read {part!r}; write k=WIDTHxBITS,...;v=WIDTHxBITS,... "
+                                f"(each kind once), e.g. {TIER_EXAMPLE!r}")
+            pairs = []
+            for item in body.split(","):
+                w, x, b = item.strip().partition("x")
+                if not x or not w.strip().isdigit() or not b.strip().isdigit():
+                    raise TierError(f"--tiers: cannot read tier {item.strip()!r} of {kind}; write WIDTHxBITS, "
+                                    "e.g. 48x4")
+                pairs.append((int(w), int(b)))
+            plans[kind] = TierPlan.from_pairs(pairs, f"--tiers {kind}")
+        if sorted(plans) != ["k", "v"]:
+            raise TierError(f"--tiers: give both k and v, e.g. {TIER_EXAMPLE!r}")
+        return cls(plans["k"], plans["v"])
+
+    @classmethod
+    def from_json(cls, raw, where: str) -> "LayerTiers":
+        if not isinstance(raw, dict) or sorted(raw) != ["k", "v"]:
+            raise TierError(f"{where}: tiers must be an object with 'k' and 'v' lists of [width, bits], e.g. "
+                            '{"k": [[48, 4], [80, 2]], "v": [[16, 4], [48, 2], [64, 0]]}')
+        return cls(*(TierPlan.from_pairs(raw[kind], f"{where} {kind}") for kind in ("k", "v")))
+
+    def to_json(self) -> dict:
+        return {kind: [list(p) for p in getattr(self, kind).pairs] for kind in ("k", "v")}
+
+    def check(self, head_size: int, where: str = "tiers") -> "LayerTiers":
+        self.k.check(head_size, f"{where} k")
+        self.v.check(head_size, f"{where} v")
+        return self
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.k.row_bytes + self.v.row_bytes
+
+    def __str__(self) -> str:
+        return f"k={self.k};v={self.v}"
+
+
+@dataclass(frozen=True)
+class PagedFormat:
+    """Sink/window state blocks in front of a request's data blocks: the
+    part every page format shares. Subclasses say the bytes per token."""
 
     head_size: int
-    group_size: int
     block_size: int
     sink: int
     window: int
 
     def __post_init__(self) -> None:
-        d, g = self.head_size, self.group_size
-        if d % 4:
-            raise ValueError(f"OSCAR needs head_size divisible by 4, got {d}")
-        if g <= 0 or d % g or g % 4:
-            raise ValueError(
-                f"group_size {g} must divide head_size {d} and be a multiple of 4"
-            )
         if self.sink < 0 or self.window < 0:
-            raise ValueError(
-                f"sink and window must be >= 0, got sink={self.sink} window={self.window}"
-            )
+            raise ValueError(f"sink and window must be >= 0, got sink={self.sink} window={self.window}")
         if self.state_rows_per_block < 1:
             raise ValueError(
-                f"block_size {self.block_size} is too small to hold one BF16 "
-                f"K/V row ({4 * d} B) in a {self.block_bytes} B block; use >= "
-                f"{-(-4 * d // self.bytes_per_token)}"
+                f"block_size {self.block_size} is too small to hold one BF16 K/V row "
+                f"({4 * self.head_size} B) in a {self.block_bytes} B block; use >= "
+                f"{-(-4 * self.head_size // self.bytes_per_token)}"
             )
-
-    @property
-    def groups(self) -> int:
-        return self.head_size // self.group_size
-
-    @property
-    def code_bytes(self) -> int:
-        """Packed INT2 codes of one row (K or V)."""
-        return self.head_size // 4
-
-    @property
-    def scale_bytes(self) -> int:
-        """fp16 (scale, min) pairs of one row (K or V)."""
-        return 4 * self.groups
 
     @property
     def bytes_per_token(self) -> int:
-        """C: bytes per token and KV head, K and V together."""
-        return 2 * (self.code_bytes + self.scale_bytes)
+        raise NotImplementedError
 
     @property
     def block_bytes(self) -> int:
         return self.block_size * self.bytes_per_token
 
-    # Offsets inside a data block region.
-    @property
-    def k_codes_offset(self) -> int:
-        return 0
-
-    @property
-    def v_codes_offset(self) -> int:
-        return self.block_size * self.code_bytes
-
-    @property
-    def k_scale_offset(self) -> int:
-        return 2 * self.block_size * self.code_bytes
-
-    @property
-    def v_scale_offset(self) -> int:
-        return self.k_scale_offset + self.block_size * self.scale_bytes
-
-    # State blocks.
     @property
     def state_slots(self) -> int:
         return self.sink + self.window
@@ -144,3 +251,42 @@ class OscarFormat:
         quant = context_len * self.bytes_per_token
         state = self.state_blocks * self.block_bytes
         return 8.0 * (quant + state) / (2 * self.head_size * context_len)
+
+
+@dataclass(frozen=True)
+class OscarFormat(PagedFormat):
+    """Sizes and offsets of one OSCAR layer's pages (one tier plan per layer)."""
+
+    tiers: LayerTiers | None = None
+
+    def __post_init__(self) -> None:
+        if self.tiers is None:
+            object.__setattr__(self, "tiers", LayerTiers.int2_only(self.head_size))
+        self.tiers.check(self.head_size, "page format")
+        super().__post_init__()
+
+    @property
+    def k(self) -> TierPlan:
+        return self.tiers.k
+
+    @property
+    def v(self) -> TierPlan:
+        return self.tiers.v
+
+    @property
+    def bytes_per_token(self) -> int:
+        """C: bytes per token and KV head, K and V together."""
+        return self.tiers.bytes_per_token
+
+    # Offsets inside a data block region.
+    @property
+    def v_codes_offset(self) -> int:
+        return self.block_size * self.k.code_bytes
+
+    @property
+    def k_pairs_offset(self) -> int:
+        return self.block_size * (self.k.code_bytes + self.v.code_bytes)
+
+    @property
+    def v_pairs_offset(self) -> int:
+        return self.k_pairs_offset + self.block_size * 4 * self.k.stored

@@ -2,79 +2,103 @@
 every faster kernel is compared against, bit for bit where the math allows.
 
 All functions take rows that are already rotated (``x @ R``). Shapes use
-T = tokens, H = KV heads, D = head size, G = group size.
+T = tokens, H = KV heads, D = head size. The row codec follows a
+:class:`~vllm_kvq.kernels.oscar.format.TierPlan`; the byte layout is
+:mod:`vllm_kvq.kernels.oscar.format`'s.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.oscar.format import OscarFormat, PagedFormat, TierPlan
 
 # ---------------------------------------------------------------------------
-# Row quantizer
+# Row codec
 # ---------------------------------------------------------------------------
 
 
 def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
-    """Clamp each row at its |x| order statistic ``sort(|x|)[int(ratio * D)]``.
+    """Clamp each row at its |x| order statistic ``sort(|x|)[int(ratio * w)]``.
 
     A ratio of 1 or more leaves the row untouched.
     """
     if ratio >= 1.0:
         return x
-    d = x.shape[-1]
-    idx = min(int(ratio * d), d - 1)
+    w = x.shape[-1]
+    idx = min(int(ratio * w), w - 1)
     thr = x.abs().sort(dim=-1).values[..., idx : idx + 1]
     return torch.minimum(torch.maximum(x, -thr), thr)
 
 
-def quantize_rows(
-    x: torch.Tensor, group_size: int, clip: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Clip and quantize rows ``[..., D]`` to INT2.
-
-    Returns codes ``[..., D]`` (uint8 in 0..3) and ``[..., D/G, 2]`` fp16
-    (scale, min). Codes are computed from the fp16-rounded scale and min, so
-    dequantizing with the stored pair is exactly what the quantizer intended.
-    """
-    x = clip_rows(x.float(), clip)
-    g = x.unflatten(-1, (x.shape[-1] // group_size, group_size))
-    lo = g.amin(dim=-1)
-    hi = g.amax(dim=-1)
-    scale = ((hi - lo) / 3.0).clamp_min(1e-8).to(torch.float16)
+def _minmax_codes(seg: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[..., w]`` of one group and its fp16 (scale, min) ``[..., 2]``;
+    the codes are computed from the fp16-rounded pair, which is what a reader
+    dequantizes with."""
+    levels = (1 << bits) - 1
+    lo, hi = seg.amin(dim=-1, keepdim=True), seg.amax(dim=-1, keepdim=True)
+    scale = ((hi - lo) / levels).clamp_min(1e-8).to(torch.float16)
     lo16 = lo.to(torch.float16)
-    codes = torch.floor(
-        (g - lo16.float().unsqueeze(-1)) / scale.float().unsqueeze(-1) + 0.5
-    ).clamp_(0, 3)
-    return codes.flatten(-2).to(torch.uint8), torch.stack((scale, lo16), dim=-1)
+    codes = torch.floor((seg - lo16.float()) / scale.float() + 0.5).clamp_(0, levels).to(torch.uint8)
+    return codes, torch.cat((scale, lo16), dim=-1)
 
 
-def dequantize_rows(
-    codes: torch.Tensor, scale_min: torch.Tensor, group_size: int
-) -> torch.Tensor:
-    """Inverse of :func:`quantize_rows`: ``code * scale + min`` in fp32."""
-    g = codes.float().unflatten(-1, (codes.shape[-1] // group_size, group_size))
-    sm = scale_min.float()
-    return (g * sm[..., 0:1] + sm[..., 1:2]).flatten(-2)
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., w]`` codes of one tier into ``[..., w * bits / 8]`` bytes:
+    quartered (INT2) or halved (INT4)."""
+    parts = codes.to(torch.uint8).unflatten(-1, (8 // bits, -1))
+    out = parts[..., 0, :].clone()
+    for j in range(1, 8 // bits):
+        out |= parts[..., j, :] << (bits * j)
+    return out
 
 
-def pack_codes(codes: torch.Tensor) -> torch.Tensor:
-    """Pack ``[..., D]`` codes into ``[..., D/4]`` bytes, quartered order."""
-    q = codes.to(torch.uint8).unflatten(-1, (4, codes.shape[-1] // 4))
-    return q[..., 0, :] | (q[..., 1, :] << 2) | (q[..., 2, :] << 4) | (q[..., 3, :] << 6)
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes`."""
+    mask = (1 << bits) - 1
+    return torch.cat([(packed >> (bits * j)) & mask for j in range(8 // bits)], dim=-1)
 
 
-def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
-    """Unpack ``[..., D/4]`` bytes into ``[..., D]`` codes."""
-    quarters = [(packed >> s) & 3 for s in (0, 2, 4, 6)]
-    return torch.cat(quarters, dim=-1)
+def quantize(x: torch.Tensor, plan: TierPlan, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[..., D]`` -> packed codes ``[..., code_bytes]`` uint8 and fp16
+    (scale, min) ``[..., stored tiers, 2]``. INT2 tiers are clipped at
+    ``clip`` first, INT4 tiers not; 0-bit tiers are dropped."""
+    x = x.float()
+    codes, pairs = [], []
+    if plan.int4:
+        c, p = _minmax_codes(x[..., : plan.int4], 4)
+        codes.append(pack_codes(c, 4))
+        pairs.append(p)
+    if plan.int2:
+        c, p = _minmax_codes(clip_rows(x[..., plan.int4 : plan.int4 + plan.int2], clip), 2)
+        codes.append(pack_codes(c, 2))
+        pairs.append(p)
+    return torch.cat(codes, dim=-1), torch.stack(pairs, dim=-2)
 
 
-def fake_quantize(x: torch.Tensor, group_size: int, clip: float) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, pairs: torch.Tensor, plan: TierPlan,
+               fill: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize` in fp32 ``[..., D]``: ``code * scale +
+    min``; the 0-bit tier reads ``fill`` (``[H, zero]``, its calibrated mean,
+    broadcast over the leading axes; zeros without one)."""
+    lead = codes.shape[:-1]
+    parts, at, i = [], 0, 0
+    for width, bits in plan.pairs:
+        if bits == 0:
+            f = torch.zeros(width, device=codes.device) if fill is None else fill.float()
+            parts.append(f.expand(*lead, width))
+            continue
+        n = width * bits // 8
+        sm = pairs[..., i, :].float()
+        parts.append(unpack_codes(codes[..., at : at + n], bits).float() * sm[..., 0:1] + sm[..., 1:2])
+        at += n
+        i += 1
+    return torch.cat(parts, dim=-1)
+
+
+def fake_quantize(x: torch.Tensor, plan: TierPlan, clip: float, fill: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize then dequantize, as a reader of the cache would see the row."""
-    codes, sm = quantize_rows(x, group_size, clip)
-    return dequantize_rows(codes, sm, group_size)
+    return dequantize(*quantize(x, plan, clip), plan, fill)
 
 
 # ---------------------------------------------------------------------------
@@ -82,57 +106,53 @@ def fake_quantize(x: torch.Tensor, group_size: int, clip: float) -> torch.Tensor
 # ---------------------------------------------------------------------------
 
 
+def state_rows(kv_cache: torch.Tensor, fmt: PagedFormat) -> torch.Tensor:
+    """The BF16 state slots of every block, ``[blocks, H, rows, 2, D]``."""
+    nb, h = kv_cache.shape[0], kv_cache.shape[1]
+    rows = fmt.state_rows_per_block
+    flat = kv_cache.view(nb, h, fmt.block_bytes)
+    return flat[:, :, : rows * fmt.state_row_bytes].view(torch.bfloat16).unflatten(-1, (rows, 2, fmt.head_size))
+
+
 class PageViews:
-    """Typed views into one layer's uint8 cache ``[num_blocks, H, KB, C]``."""
+    """Typed views into one layer's uint8 cache ``[num_blocks, H, KB, C]``,
+    token-indexed: ``k_codes``/``v_codes`` ``[nb, H, KB, bytes]`` (V's a view
+    of its byte-major region), ``k_pairs``/``v_pairs`` ``[nb, H, KB, tiers, 2]``."""
 
     def __init__(self, kv_cache: torch.Tensor, fmt: OscarFormat):
         nb, h = kv_cache.shape[0], kv_cache.shape[1]
         flat = kv_cache.view(nb, h, fmt.block_bytes)
-        kb, cb, sb = fmt.block_size, fmt.code_bytes, fmt.scale_bytes
+        kb, kc, vc = fmt.block_size, fmt.k.code_bytes, fmt.v.code_bytes
 
         def region(offset: int, size: int) -> torch.Tensor:
             return flat[:, :, offset : offset + kb * size]
 
-        self.k_codes = region(fmt.k_codes_offset, cb).unflatten(-1, (kb, cb))
-        # V codes are byte-major [cb, kb] in the page (format.py); seen as [kb, cb]
-        self.v_codes = region(fmt.v_codes_offset, cb).unflatten(-1, (cb, kb)).transpose(-1, -2)
-        self.k_scale = (
-            region(fmt.k_scale_offset, sb).view(torch.float16).unflatten(-1, (kb, fmt.groups, 2))
-        )
-        self.v_scale = (
-            region(fmt.v_scale_offset, sb).view(torch.float16).unflatten(-1, (kb, fmt.groups, 2))
-        )
-        rows = fmt.state_rows_per_block
-        self.state = (
-            flat[:, :, : rows * fmt.state_row_bytes]
-            .view(torch.bfloat16)
-            .unflatten(-1, (rows, 2, fmt.head_size))
-        )
+        self.k_codes = region(0, kc).unflatten(-1, (kb, kc))
+        self.v_codes = region(fmt.v_codes_offset, vc).unflatten(-1, (vc, kb)).transpose(-1, -2)
+        self.k_pairs = region(fmt.k_pairs_offset, 4 * fmt.k.stored).view(torch.float16).unflatten(
+            -1, (kb, fmt.k.stored, 2))
+        self.v_pairs = region(fmt.v_pairs_offset, 4 * fmt.v.stored).view(torch.float16).unflatten(
+            -1, (kb, fmt.v.stored, 2))
+        self.state = state_rows(kv_cache, fmt)
 
 
-def _data_location(
-    block_row: torch.Tensor, positions: torch.Tensor, fmt: OscarFormat
-) -> tuple[torch.Tensor, torch.Tensor]:
+def data_location(block_row: torch.Tensor, positions: torch.Tensor,
+                  fmt: PagedFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical data block and offset of each position of one request."""
     idx = fmt.state_blocks + torch.div(positions, fmt.block_size, rounding_mode="floor")
     return block_row[idx].long(), positions % fmt.block_size
 
 
-def _has_bf16_row(positions: torch.Tensor, seq_len: int, fmt: OscarFormat) -> torch.Tensor:
+def _has_bf16_row(positions: torch.Tensor, seq_len: int, fmt: PagedFormat) -> torch.Tensor:
     """Which positions of a sequence of ``seq_len`` tokens keep a BF16 row:
     the sink and the last W positions."""
     return (positions < fmt.sink) | (positions >= max(seq_len - fmt.window, fmt.sink))
 
 
-def _state_location(
-    block_row: torch.Tensor, positions: torch.Tensor, fmt: OscarFormat
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _state_location(block_row: torch.Tensor, positions: torch.Tensor,
+                    fmt: PagedFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical state block and row of each sink/window position."""
-    slots = torch.where(
-        positions < fmt.sink,
-        positions,
-        fmt.sink + (positions - fmt.sink) % max(fmt.window, 1),
-    )
+    slots = torch.where(positions < fmt.sink, positions, fmt.sink + (positions - fmt.sink) % max(fmt.window, 1))
     rows = fmt.state_rows_per_block
     return block_row[torch.div(slots, rows, rounding_mode="floor")].long(), slots % rows
 
@@ -142,38 +162,20 @@ def _state_location(
 # ---------------------------------------------------------------------------
 
 
-def write_request(
-    pages: PageViews,
-    fmt: OscarFormat,
-    block_row: torch.Tensor,
-    start: int,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_quant: tuple[torch.Tensor, torch.Tensor],
-    v_quant: tuple[torch.Tensor, torch.Tensor],
-) -> None:
-    """Store rotated rows ``k, v [T, H, D]`` of positions ``start .. start+T``.
-
-    Every row goes to its data block as INT2 (``k_quant``/``v_quant``: the
-    codes and (scale, min) of :func:`quantize_rows`). Sink positions and the
-    last W positions of the chunk also go to the request's state blocks in
-    BF16 (only the last writer of each ring slot is stored, so the slot ends
-    up holding the newest row).
-    """
-    t = k.shape[0]
-    device = k.device
-    positions = torch.arange(start, start + t, device=device)
-    blk, off = _data_location(block_row, positions, fmt)
-    (kc, ks), (vc, vs) = k_quant, v_quant
-    pages.k_codes[blk, :, off] = pack_codes(kc)
-    pages.v_codes[blk, :, off] = pack_codes(vc)
-    pages.k_scale[blk, :, off] = ks
-    pages.v_scale[blk, :, off] = vs
-
+def write_request(pages: PageViews, fmt: OscarFormat, block_row: torch.Tensor, start: int,
+                  k: torch.Tensor, v: torch.Tensor, k_quant, v_quant) -> None:
+    """Store rotated rows ``k, v [T, H, D]`` of positions ``start .. start+T``:
+    every row into its data block (``k_quant``/``v_quant``: :func:`quantize`'s
+    codes and pairs), sink positions and the chunk's last W positions also in
+    BF16 into the request's state blocks."""
+    positions = torch.arange(start, start + k.shape[0], device=k.device)
+    blk, off = data_location(block_row, positions, fmt)
+    pages.k_codes[blk, :, off], pages.k_pairs[blk, :, off] = k_quant
+    pages.v_codes[blk, :, off], pages.v_pairs[blk, :, off] = v_quant
     write_state_rows(pages.state, fmt, block_row, start, k, v)
 
 
-def write_state_rows(state: torch.Tensor, fmt: OscarFormat, block_row: torch.Tensor, start: int,
+def write_state_rows(state: torch.Tensor, fmt: PagedFormat, block_row: torch.Tensor, start: int,
                      k: torch.Tensor, v: torch.Tensor) -> None:
     """BF16 copies of rows ``k, v [T, H, D]`` (positions ``start ..``) that the
     request keeps after this chunk: its sink and last W positions (only the
@@ -192,27 +194,22 @@ def write_state_rows(state: torch.Tensor, fmt: OscarFormat, block_row: torch.Ten
 # ---------------------------------------------------------------------------
 
 
-def read_context(
-    pages: PageViews, fmt: OscarFormat, block_row: torch.Tensor, ctx: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Everything a query may read about positions ``0 .. ctx``.
-
-    Returns (k_int2, v_int2, k_bf16, v_bf16, has_bf16): dequantized rows of
-    every position ``[ctx, H, D]`` fp32, the BF16 rows where the request still
-    has them (sink and the last W positions) and the mask of those positions.
-    """
-    device = block_row.device
-    positions = torch.arange(ctx, device=device)
-    blk, off = _data_location(block_row, positions, fmt)
-    g = fmt.group_size
-    k_q = dequantize_rows(unpack_codes(pages.k_codes[blk, :, off]), pages.k_scale[blk, :, off], g)
-    v_q = dequantize_rows(unpack_codes(pages.v_codes[blk, :, off]), pages.v_scale[blk, :, off], g)
-
+def read_context(pages: PageViews, fmt: OscarFormat, block_row: torch.Tensor, ctx: int,
+                 fills=(None, None)):
+    """Everything a query may read about positions ``0 .. ctx``: (k_quant,
+    v_quant, k_bf16, v_bf16, has_bf16), the dequantized rows of every
+    position ``[ctx, H, D]`` fp32, the BF16 rows where the request still has
+    them (sink and the last W positions) and their mask. ``fills``: the K
+    and V 0-bit tiers' means ``[H, zero]``."""
+    positions = torch.arange(ctx, device=block_row.device)
+    blk, off = data_location(block_row, positions, fmt)
+    k_q = dequantize(pages.k_codes[blk, :, off], pages.k_pairs[blk, :, off], fmt.k, fills[0])
+    v_q = dequantize(pages.v_codes[blk, :, off], pages.v_pairs[blk, :, off], fmt.v, fills[1])
     k_hi, v_hi, has_bf16 = read_state_rows(pages.state, fmt, block_row, ctx, k_q)
     return k_q, v_q, k_hi, v_hi, has_bf16
 
 
-def read_state_rows(state: torch.Tensor, fmt: OscarFormat, block_row: torch.Tensor, ctx: int,
+def read_state_rows(state: torch.Tensor, fmt: PagedFormat, block_row: torch.Tensor, ctx: int,
                     like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_bf16, v_bf16, has_bf16) of positions ``0 .. ctx``: the BF16 rows the
     request still holds (sink and last W positions) as fp32 ``like``-shaped
@@ -228,57 +225,37 @@ def read_state_rows(state: torch.Tensor, fmt: OscarFormat, block_row: torch.Tens
     return k_hi, v_hi, has_bf16
 
 
-def mixed_probs(
-    q: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_hi: torch.Tensor,
-    k_lo: torch.Tensor,
-    sink: int,
-    window: int,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def mixed_probs(q: torch.Tensor, q_positions: torch.Tensor, k_hi: torch.Tensor, k_lo: torch.Tensor,
+                sink: int, window: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax weights of :func:`mixed_attention`, split by the precision each
     (query, key) reads: ``(p_hi, p_lo)``, each ``[H, g, T, S]``."""
     t, hq, d = q.shape
     s, h, _ = k_hi.shape
-    group = hq // h
-    qg = q.float().view(t, h, group, d).permute(1, 2, 0, 3)  # [H, g, T, D]
+    qg = q.float().view(t, h, hq // h, d).permute(1, 2, 0, 3)  # [H, g, T, D]
     kh, kl = k_hi.permute(1, 0, 2), k_lo.permute(1, 0, 2)  # [H, S, D]
     s_hi = torch.matmul(qg, kh.unsqueeze(1).transpose(-1, -2))  # [H, g, T, S]
     s_lo = torch.matmul(qg, kl.unsqueeze(1).transpose(-1, -2))
-
     key_pos = torch.arange(s, device=q.device)
     dist = q_positions.view(-1, 1) - key_pos.view(1, -1)  # [T, S]
     use_hi = (key_pos.view(1, -1) < sink) | (dist < window)
-    causal = dist >= 0
     logits = torch.where(use_hi, s_hi, s_lo) * scale
-    logits = logits.masked_fill(~causal, float("-inf"))
-    p = torch.softmax(logits, dim=-1)
+    p = torch.softmax(logits.masked_fill(dist < 0, float("-inf")), dim=-1)
     p_hi = p * use_hi
     return p_hi, p - p_hi
 
 
 def mix_values(p_hi: torch.Tensor, p_lo: torch.Tensor, v_hi: torch.Tensor, v_lo: torch.Tensor) -> torch.Tensor:
-    """``p_hi·V_bf16 + p_lo·V_int2`` as ``[T, Hq, D]`` fp32."""
+    """``p_hi·V_bf16 + p_lo·V_quant`` as ``[T, Hq, D]`` fp32."""
     h, group, t, _ = p_hi.shape
     vh, vl = v_hi.permute(1, 0, 2), v_lo.permute(1, 0, 2)
     out = torch.matmul(p_hi, vh.unsqueeze(1)) + torch.matmul(p_lo, vl.unsqueeze(1))
     return out.permute(2, 0, 1, 3).reshape(t, h * group, -1)
 
 
-def mixed_attention(
-    q: torch.Tensor,
-    q_positions: torch.Tensor,
-    k_hi: torch.Tensor,
-    v_hi: torch.Tensor,
-    k_lo: torch.Tensor,
-    v_lo: torch.Tensor,
-    sink: int,
-    window: int,
-    scale: float,
-) -> torch.Tensor:
+def mixed_attention(q: torch.Tensor, q_positions: torch.Tensor, k_hi: torch.Tensor, v_hi: torch.Tensor,
+                    k_lo: torch.Tensor, v_lo: torch.Tensor, sink: int, window: int, scale: float) -> torch.Tensor:
     """Causal attention where key s is read in BF16 for query t iff
-    ``s < sink`` or ``t - s < window``, and INT2 otherwise.
+    ``s < sink`` or ``t - s < window``, and quantized otherwise.
 
     One exact softmax over both segments. q ``[T, Hq, D]``; keys/values
     ``[S, H, D]`` for positions ``0 .. S`` (fp32). Returns ``[T, Hq, D]`` fp32.
@@ -289,40 +266,26 @@ def mixed_attention(
     return mix_values(p_hi, p_lo, v_hi, v_lo)
 
 
-def attend_and_write(
-    pages: PageViews,
-    fmt: OscarFormat,
-    block_row: torch.Tensor,
-    ctx: int,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_clip: float,
-    v_clip: float,
-    scale: float,
-) -> torch.Tensor:
+def attend_and_write(pages: PageViews, fmt: OscarFormat, block_row: torch.Tensor, ctx: int,
+                     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_clip: float, v_clip: float,
+                     scale: float, fills=(None, None)) -> torch.Tensor:
     """One request's step: attend rows ``q, k, v`` (positions ``ctx ..``,
-    rotated) over cached context plus themselves, then store ``k, v``.
+    rotated) over the cached context plus themselves, then store ``k, v``.
 
     Returns the attention output in the rotated V basis, ``[T, Hq, D]`` fp32.
     """
-    t = q.shape[0]
-    g = fmt.group_size
     k_bf = k.to(torch.bfloat16).float()
     v_bf = v.to(torch.bfloat16).float()
-    k_quant = quantize_rows(k_bf, g, k_clip)
-    v_quant = quantize_rows(v_bf, g, v_clip)
-    k_lo_new = dequantize_rows(*k_quant, g)
-    v_lo_new = dequantize_rows(*v_quant, g)
+    k_quant = quantize(k_bf, fmt.k, k_clip)
+    v_quant = quantize(v_bf, fmt.v, v_clip)
+    k_lo = dequantize(*k_quant, fmt.k, fills[0])
+    v_lo = dequantize(*v_quant, fmt.v, fills[1])
+    k_hi, v_hi = k_bf, v_bf
     if ctx > 0:
-        k_q, v_q, k_hi, v_hi, _ = read_context(pages, fmt, block_row, ctx)
-        k_lo = torch.cat((k_q, k_lo_new))
-        v_lo = torch.cat((v_q, v_lo_new))
-        k_hi = torch.cat((k_hi, k_bf))
-        v_hi = torch.cat((v_hi, v_bf))
-    else:
-        k_lo, v_lo, k_hi, v_hi = k_lo_new, v_lo_new, k_bf, v_bf
-    q_pos = torch.arange(ctx, ctx + t, device=q.device)
+        k_q, v_q, k_h, v_h, _ = read_context(pages, fmt, block_row, ctx, fills)
+        k_lo, v_lo = torch.cat((k_q, k_lo)), torch.cat((v_q, v_lo))
+        k_hi, v_hi = torch.cat((k_h, k_hi)), torch.cat((v_h, v_hi))
+    q_pos = torch.arange(ctx, ctx + q.shape[0], device=q.device)
     out = mixed_attention(q, q_pos, k_hi, v_hi, k_lo, v_lo, fmt.sink, fmt.window, scale)
     write_request(pages, fmt, block_row, ctx, k_bf, v_bf, k_quant, v_quant)
     return out

@@ -1,20 +1,23 @@
-"""Split-KV OSCAR decode: one query token per request over INT2 pages plus the
-BF16 sink and window, merged by log-sum-exp.
+"""Split-KV OSCAR decode: one query token per request over the quantized
+pages plus the BF16 sink and window, merged by log-sum-exp.
 
 Twin of :func:`reference.mixed_attention` for a single query at position
-``L - 1`` of a request of length ``L``: keys ``[S0, L - W)`` are read INT2,
-the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the state blocks.
+``L - 1`` of a request of length ``L``: keys ``[S0, L - W)`` are read
+quantized, the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the
+state blocks.
 
 Grid ``(B, H, splits + bf16 programs)``: programs ``0 .. splits-1`` of a
-(request, KV head) stream equal slices of its INT2 range; the others each
-read ``bf16_rows`` of its ``min(L, S0 + W)`` BF16 state rows. Every program
-serves all query heads of its KV head (GQA: each page byte is read once).
-INT2 codes are never expanded to values in memory: with ``k = code * s + m``
-per row and group, ``q.k = s (q.code) + m sum(q)``, so the dot products run on
-the raw codes and the per-token scale and min are applied to the scores (and,
-for values, to the probabilities). No host sync, and the split count depends only on the
-batch size and static config: safe to capture in a CUDA graph. A request of
-length 0 (vLLM's padding of a replayed batch) reads no page and gets zeros.
+(request, KV head) stream equal slices of its quantized range; the others
+each read ``bf16_rows`` of its ``min(L, S0 + W)`` BF16 state rows. Every
+program serves all query heads of its KV head (GQA: each page byte is read
+once). Codes are never expanded to values in memory: with ``k = code * s + m``
+per row and tier, ``q.k = sum over tiers of s (q.code) + m sum(q)``, so the
+dot products run on the raw codes and each tier's scale and min are applied
+to the scores (and, for values, to the probabilities). The layer's tier plan
+is compile-time (:func:`pieces`). No host sync, and the split count depends
+only on the batch size and static config: safe to capture in a CUDA graph. A
+request of length 0 (vLLM's padding of a replayed batch) reads no page and
+gets zeros.
 """
 
 from __future__ import annotations
@@ -51,6 +54,18 @@ def _compiled(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
+def row_pieces(code_bytes: int) -> tuple:
+    """A row's code bytes, rounded up to a multiple of 16, as power-of-two
+    runs ``(first byte, bytes)``, largest first (44 bytes: 32 + 16, the last
+    4 masked): each run is one tile of codes and four tensor-core passes."""
+    out, at, total = [], 0, -(-code_bytes // 16) * 16
+    while at < total:
+        n = 1 << ((total - at).bit_length() - 1)
+        out.append((at, n))
+        at += n
+    return tuple(out)
+
+
 @triton.jit
 def softmax_step(s, m_i, l_i, KEYS: tl.constexpr):
     """Online-softmax update over one tile of base-2 scores ``s`` whose keys
@@ -64,41 +79,126 @@ def softmax_step(s, m_i, l_i, KEYS: tl.constexpr):
 
 
 @triton.jit
-def _quarter(codes, J: tl.constexpr):
-    """fp16 ``4**J * code_J * 2**-24`` of quarter J: the code's two bits, kept
-    where they are, read as a subnormal fp16 (one AND per element; exact, and
-    the tensor cores take subnormal fp16). The ``4**J`` is divided out of q
-    (keys) or of the result (values), the ``2**-24`` out of the scores and the
-    result."""
+def _crumb(codes, J: tl.constexpr):
+    """fp16 ``4**J * crumb_J * 2**-24`` of bits 2J, 2J+1 of each code byte:
+    the bits kept where they are, read as a subnormal fp16 (one AND per
+    element; exact, and the tensor cores take subnormal fp16). An INT2 code
+    is one crumb; an INT4 nibble is two (``c0 + 4 c1``, ``16 (c2 + 4 c3)``).
+    The powers of two are divided out of q (keys) or of the result (values),
+    the ``2**-24`` out of the scores and the result."""
     return (codes & (3 << (2 * J))).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _quarters_asm(codes):
-    """:func:`_quarter` of all four quarters from packed registers (compiled
-    path only), without spreading bytes to 16-bit lanes: a word's bytes 0 and 2
-    already sit in the low bits of its two lanes, and so do bytes 1 and 3 of the
-    word shifted by 8. So each quarter's first register holds bytes (0, 2), its
-    second (1, 3): elements 1 and 2 of every four trade places, which the caller
-    undoes on the other operand (:func:`_swap12`). One shift per word, one AND
-    per two codes."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 h; shr.b32 h, $8, 8; "
-        "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
-        "and.b32 $2, $8, 0x000c000c; and.b32 $3, h, 0x000c000c; "
-        "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
-        "and.b32 $6, $8, 0x00c000c0; and.b32 $7, h, 0x00c000c0; }",
-        "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+def _crumbs(codes, ASM: tl.constexpr):
+    """The four crumbs of a tile of code bytes. Compiled, without spreading
+    bytes to 16-bit lanes: a word's bytes 0 and 2 already sit in the low bits
+    of its two lanes, and so do bytes 1 and 3 of the word shifted by 8. So
+    each crumb's first register holds bytes (0, 2), its second (1, 3):
+    elements 1 and 2 of every four trade places, which the caller undoes on
+    the other operand (:func:`_swap12`). One shift per word, one AND per two
+    codes."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "{ .reg .b32 h; shr.b32 h, $8, 8; "
+            "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
+            "and.b32 $2, $8, 0x000c000c; and.b32 $3, h, 0x000c000c; "
+            "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
+            "and.b32 $6, $8, 0x00c000c0; and.b32 $7, h, 0x00c000c0; }",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
+            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        c = codes.to(tl.int16)
+        out = (_crumb(c, 0), _crumb(c, 1), _crumb(c, 2), _crumb(c, 3))
+    return out
 
 
 @triton.jit
 def _swap12(x, ASM: tl.constexpr):
     """Index ``x`` with elements 1 and 2 of every four swapped where
-    :func:`_quarters_asm` unpacks (they trade places there), else ``x``."""
+    :func:`_crumbs` unpacks (they trade places there), else ``x``."""
     if ASM:
         return (x & ~3) | ((x & 1) << 1) | ((x >> 1) & 1)
     return x
+
+
+@triton.jit
+def _crumb_map(byte, J: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr):
+    """For crumb J of code bytes ``byte``: (element of the row, its power of
+    two to divide out, its tier, whether the byte holds codes). Bytes below
+    W4/2 are INT4 (crumbs 0, 1: the low nibble's element; 2, 3: the high
+    nibble's, a sixteenth), then W2/4 INT2 bytes (crumb j: one element)."""
+    NB4: tl.constexpr = W4 // 2
+    NB2: tl.constexpr = W2 // 4
+    if W4 == 0:
+        elem = byte + J * NB2
+        div = tl.full(byte.shape, 4.0 ** J, tl.float32)
+        tier = byte * 0
+    else:
+        is4 = byte < NB4
+        b2 = tl.maximum(byte - NB4, 0)
+        if J < 2:
+            e4 = byte
+            d4 = 1.0
+        else:
+            e4 = byte + NB4
+            d4 = 16.0
+        elem = tl.where(is4, e4, W4 + b2 + J * NB2)
+        div = tl.where(is4, d4, 4.0 ** J)
+        tier = tl.where(is4, 0, 1)
+    return elem, div, tier, byte < NB4 + NB2
+
+
+@triton.jit
+def _interleave(x, y, NG: tl.constexpr):
+    """``[R, GP]`` tensors of tiers 0 and 1 as one ``[R, NG GP]`` tensor,
+    column ``h NG + g`` (tier g of query head h); just ``x`` for one tier."""
+    if NG == 2:
+        x = tl.reshape(tl.join(x, y), (x.shape[0], 2 * x.shape[1]))
+    return x
+
+
+@triton.jit
+def _deinterleave(x, NG: tl.constexpr, GP: tl.constexpr):
+    """Inverse of :func:`_interleave`: (tier 0, tier 1) ``[R, GP]``."""
+    if NG == 2:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], GP, 2)))
+    else:
+        a = x
+        b = x
+    return a, b
+
+
+@triton.jit
+def _query_plane(q_base, qmask, q_scale, B0: tl.constexpr, N: tl.constexpr, J: tl.constexpr, W4: tl.constexpr,
+                 W2: tl.constexpr, NG: tl.constexpr, ASM: tl.constexpr):
+    """q operand ``[N, NG GP]`` fp16 of crumb J of key code bytes ``B0 ..
+    B0 + N`` (in the order they unpack): each row q of its element over the
+    crumb's power of two, in its tier's columns (zeros in the other's and in
+    the rows past the codes)."""
+    byte = B0 + _swap12(tl.arange(0, N), ASM)
+    elem, div, tier, ok = _crumb_map(byte, J, W4, W2)
+    q = tl.load(q_base[None, :] + elem[:, None], mask=qmask[None, :] & ok[:, None], other=0.0).to(tl.float32)
+    q = (q * (q_scale / div)[:, None]).to(tl.float16)
+    if NG == 2:
+        q = _interleave(tl.where((tier == 0)[:, None], q, 0.0), tl.where((tier == 1)[:, None], q, 0.0), NG)
+    return q
+
+
+@triton.jit
+def _tier_sums(q_base, qmask, q_scale, D: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr):
+    """Sum of q (as the tensor cores see it: fp16) over each stored tier's
+    elements, times 2^-24 like the key dots: (tier 0, tier 1) ``[GP]``."""
+    e = tl.arange(0, D)
+    q = (tl.load(q_base[None, :] + e[:, None], mask=qmask[None, :], other=0.0).to(tl.float32)
+         * q_scale).to(tl.float16).to(tl.float32) * 5.9604644775390625e-08
+    if W4 > 0:
+        first = tl.sum(tl.where((e < W4)[:, None], q, 0.0), axis=0)
+        second = tl.sum(tl.where(((e >= W4) & (e < W4 + W2))[:, None], q, 0.0), axis=0)
+    else:
+        first = tl.sum(tl.where((e < W2)[:, None], q, 0.0), axis=0)
+        second = first
+    return first, second
 
 
 @triton.jit
@@ -114,140 +214,132 @@ def _f16_halves(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _page_base(row, page, H, h, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
-               STATE_BLOCKS: tl.constexpr):
+def _pairs(cache_i32, at, r0, tk, NT: tl.constexpr, G: tl.constexpr, inside, PARTIAL: tl.constexpr,
+           ASM: tl.constexpr):
+    """fp32 (scale, min) of tier G of rows ``r0 + tk`` (one 32-bit load a
+    pair); with PARTIAL, rows past the page read as zeros."""
+    at = at + r0 * NT + G + tk * NT
+    if PARTIAL:
+        w = tl.load(at, mask=inside, other=0)
+    else:
+        w = tl.load(at)
+    return _f16_halves(w, ASM)
+
+
+@triton.jit
+def _page_base(row, page, H, h, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr):
     """Byte offset of one page's (block, KV head) region."""
-    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
     blk = tl.load(row + STATE_BLOCKS + page).to(tl.int64)
     return (blk * H + h) * BLOCK_BYTES
 
 
 @triton.jit
 def page_step(step, KB: tl.constexpr, STEP: tl.constexpr):
-    """(page, first row in the page) of INT2 step ``step``: steps of STEP
-    rows run page by page, a page's last one partial where STEP does not
-    divide KB. Decode and extend both walk pages this way."""
+    """(page, first row in the page) of step ``step``: steps of STEP rows run
+    page by page, a page's last one partial where STEP does not divide KB.
+    Decode and extend both walk pages this way."""
     SUB: tl.constexpr = (KB + STEP - 1) // STEP  # steps per page
     return step // SUB, (step % SUB) * STEP
 
 
 @triton.jit
-def _load_pairs(cache_i32, base, t, g: tl.constexpr, D: tl.constexpr, NG: tl.constexpr, KB: tl.constexpr,
-                PARTIAL: tl.constexpr, ASM: tl.constexpr):
-    """fp32 (scale, min) of group ``g`` of rows ``t`` of a page, K then V, one
-    32-bit load per pair; with PARTIAL, rows past the page read as zeros."""
-    at = cache_i32 + base // 4 + KB * (D // 8) + t * NG + g
-    if PARTIAL:
-        inside = t < KB
-        kw = tl.load(at, mask=inside, other=0)
-        vw = tl.load(at + KB * NG, mask=inside, other=0)
-    else:
-        kw = tl.load(at)
-        vw = tl.load(at + KB * NG)
-    ks, km = _f16_halves(kw, ASM)
-    vs, vm = _f16_halves(vw, ASM)
-    return ks, km, vs, vm
-
-
-@triton.jit
-def _int2_step(step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
-               row, cache_u8, cache_i32, lo, hi, H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
-               STATE_BLOCKS: tl.constexpr, ASM: tl.constexpr, TILE: tl.constexpr, EDGE: tl.constexpr):
-    """One TILE-token step of :func:`_int2_split`: scores, the online-softmax
-    update and the value products. Only an EDGE step (one reaching outside
-    ``[lo, hi)``) masks its rows by position; the partial last step of a page
-    (TILE not dividing KB) always masks its rows past the page."""
-    D4: tl.constexpr = D // 4
-    NG: tl.constexpr = D // G
+def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+          KP: tl.constexpr, VP: tl.constexpr, KC: tl.constexpr, VC: tl.constexpr, NK: tl.constexpr,
+          NV: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr,
+          GP: tl.constexpr, ASM: tl.constexpr, TILE: tl.constexpr, EDGE: tl.constexpr):
+    """One TILE-token step of :func:`_split`: scores, the online-softmax update
+    and the value products. Only an EDGE step (one reaching outside ``[lo,
+    hi)``) masks its rows by position; the partial last step of a page (TILE
+    not dividing KB) always masks its rows past the page."""
     PARTIAL: tl.constexpr = KB % TILE != 0
-    d4 = tl.arange(0, D4)
     t = tl.arange(0, TILE)
-    tk = _swap12(t, ASM)                              # key rows (and probabilities) in the values' token order
+    tk = _swap12(t, ASM)  # key rows (and probabilities) in the values' token order
     page, r0 = page_step(step, KB, TILE)
-    pbase = _page_base(row, page, H, h, D, NG, KB, STATE_BLOCKS)
+    pbase = _page_base(row, page, H, h, BLOCK_BYTES, STATE_BLOCKS)
     r = r0 + tk  # key rows in the page
-    ks_a, km_a, vs_a, vm_a = _load_pairs(cache_i32, pbase, r, 0, D, NG, KB, PARTIAL, ASM)
-    k_at = cache_u8 + pbase + r0 * D4 + tk[:, None] * D4 + d4[None, :]      # K: [TILE, D4], token-major
-    v_at = cache_u8 + pbase + KB * D4 + r0 + d4[:, None] * KB + t[None, :]  # V: [D4, TILE], byte-major
-    if PARTIAL:
-        kc = tl.load(k_at, mask=(r < KB)[:, None], other=0)
-        vc = tl.load(v_at, mask=(r0 + t < KB)[None, :], other=0)
+    inside = r < KB
+    k_at = cache_i32 + (pbase + KB * (KC + VC)) // 4
+    v_at = k_at + KB * NK
+    ks_a, km_a = _pairs(cache_i32, k_at, r0, tk, NK, 0, inside, PARTIAL, ASM)
+    vs_a, vm_a = _pairs(cache_i32, v_at, r0, tk, NV, 0, inside, PARTIAL, ASM)
+    acc = tl.zeros([TILE, NK * GP], tl.float32)
+    for i in tl.static_range(len(KP)):
+        c = KP[i][0] + tl.arange(0, tl.constexpr(KP[i][1]))
+        at = cache_u8 + pbase + r[:, None] * KC + c[None, :]  # token-major rows
+        if PARTIAL or KP[i][0] + KP[i][1] > KC:
+            codes = tl.load(at, mask=inside[:, None] & (c < KC)[None, :], other=0)
+        else:
+            codes = tl.load(at)
+        crumbs = _crumbs(codes, ASM)
+        for j in tl.static_range(4):
+            acc = tl.dot(crumbs[j], qops[4 * i + j], acc)
+    acc_a, acc_b = _deinterleave(acc, NK, GP)
+    s = ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
+    if NK == 2:
+        ks, km = _pairs(cache_i32, k_at, r0, tk, NK, 1, inside, PARTIAL, ASM)
+        s += ks[:, None] * acc_b + km[:, None] * qs_b[None, :]
+    if NV == 2:
+        vs_b, vm_b = _pairs(cache_i32, v_at, r0, tk, NV, 1, inside, PARTIAL, ASM)
     else:
-        kc = tl.load(k_at)
-        vc = tl.load(v_at)
-    if ASM:
-        k0, k1, k2, k3 = _quarters_asm(kc)
-    else:
-        kq = kc.to(tl.int16)
-        k0 = _quarter(kq, 0)
-        k1 = _quarter(kq, 1)
-        k2 = _quarter(kq, 2)
-        k3 = _quarter(kq, 3)
-    if NG == 1:
-        acc = tl.dot(k0, q0)
-        acc = tl.dot(k1, q1, acc)
-        acc = tl.dot(k2, q2, acc)
-        acc = tl.dot(k3, q3, acc)
-        s = ks_a[:, None] * acc + km_a[:, None] * qs_a[None, :]
-    else:
-        ks_b, km_b, vs_b, vm_b = _load_pairs(cache_i32, pbase, r, 1, D, NG, KB, PARTIAL, ASM)
-        acc_a = tl.dot(k0, q0)
-        acc_a = tl.dot(k1, q1, acc_a)
-        acc_b = tl.dot(k2, q2)
-        acc_b = tl.dot(k3, q3, acc_b)
-        s = (ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
-             + ks_b[:, None] * acc_b + km_b[:, None] * qs_b[None, :])
+        vs_b = vs_a
+        vm_b = vm_a
     if EDGE or PARTIAL:
         if EDGE:
             pos = page * KB + r
             ok = (pos >= lo) & (pos < hi)
             if PARTIAL:
-                ok = ok & (r < KB)
+                ok = ok & inside
         else:
-            ok = r < KB
+            ok = inside
         s = tl.where(ok[:, None], s, float("-inf"))
         # rows past the range may hold stale bytes: keep them out of p * s
         vs_a = tl.where(ok, vs_a, 0.0)
         vm_a = tl.where(ok, vm_a, 0.0)
-        if NG == 2:
-            vs_b = tl.where(ok, vs_b, 0.0)
-            vm_b = tl.where(ok, vm_b, 0.0)
+        vs_b = tl.where(ok, vs_b, 0.0)
+        vm_b = tl.where(ok, vm_b, 0.0)
     # online softmax on 2^24 s (the scale enters the exp's argument, one FMA)
     m_new = tl.maximum(m_i, tl.max(s, axis=0) * 16777216.0)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s * 16777216.0 - m_safe[None, :])
     l_i = l_i * alpha + tl.sum(p, axis=0)
-
-    pa = (p * vs_a[:, None]).to(tl.float16)
     mins_a = mins_a * alpha + tl.sum(p * vm_a[:, None], axis=0)
-    if NG == 1:
-        pb = pa
-    else:
-        pb = (p * vs_b[:, None]).to(tl.float16)
+    if NV == 2:
         mins_b = mins_b * alpha + tl.sum(p * vm_b[:, None], axis=0)
-    if ASM:
-        v0, v1, v2, v3 = _quarters_asm(vc)
+    pa = (p * vs_a[:, None]).to(tl.float16)
+    if NV == 2:
+        pv = _interleave(pa, (p * vs_b[:, None]).to(tl.float16), NV)
+        alpha_v = _interleave(alpha[None, :], alpha[None, :], NV)
     else:
-        vq = vc.to(tl.int16)
-        v0 = _quarter(vq, 0)
-        v1 = _quarter(vq, 1)
-        v2 = _quarter(vq, 2)
-        v3 = _quarter(vq, 3)
-    a0 = tl.dot(v0, pa, a0 * alpha[None, :])
-    a1 = tl.dot(v1, pa, a1 * alpha[None, :])
-    a2 = tl.dot(v2, pb, a2 * alpha[None, :])
-    a3 = tl.dot(v3, pb, a3 * alpha[None, :])
-    return m_new, l_i, mins_a, mins_b, a0, a1, a2, a3
+        pv = pa
+        alpha_v = alpha[None, :]
+    new = ()
+    for i in tl.static_range(len(VP)):
+        b = VP[i][0] + tl.arange(0, tl.constexpr(VP[i][1]))
+        at = cache_u8 + pbase + KB * KC + b[:, None] * KB + r0 + t[None, :]  # byte-major rows
+        if PARTIAL or VP[i][0] + VP[i][1] > VC:
+            codes = tl.load(at, mask=(b < VC)[:, None] & (r0 + t < KB)[None, :], other=0)
+        else:
+            codes = tl.load(at)
+        crumbs = _crumbs(codes, ASM)
+        for j in tl.static_range(4):
+            new = new + (tl.dot(crumbs[j], pv, vacc[4 * i + j] * alpha_v),)
+    return m_new, l_i, mins_a, mins_b, new
 
 
 @triton.jit
-def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split,
-                H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
-                WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr, num_splits,
-                GP: tl.constexpr, q_scale, ASM: tl.constexpr, NSTAGE: tl.constexpr,
-                TILE: tl.constexpr):
-    """One slice of whole pages of the INT2 range ``[S0, L - W)``.
+def _zeros(R: tl.constexpr, C: tl.constexpr):
+    return tl.zeros([R, C], tl.float32)
+
+
+@triton.jit
+def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H, h, kfill, vfill,
+           q_scale, num_splits, KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
+           V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr,
+           KB: tl.constexpr, BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
+           STATE_BLOCKS: tl.constexpr, GP: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr,
+           TILE: tl.constexpr):
+    """One slice of whole pages of the quantized range ``[S0, L - W)``.
 
     A step is TILE tokens of one page; its codes and scales are contiguous.
     Where TILE does not divide the block (a hybrid model's blocks, sized by
@@ -257,33 +349,35 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
     slice's inner steps run without (one FSEL a score and a scale fewer).
     Both products put the tokens on the tensor cores' M/K side and the few
     query heads of the KV head on N (padded to 8, not to 16 as a query-major
-    product would be): scores ``S^T = K Q^T [TILE, GP]`` and outputs ``O^T =
-    V^T P^T [D/4, GP]`` per quarter. Quarter j of the head dim enters as the
-    subnormal fp16 ``c'_j = 4^j code 2^-24`` (:func:`_quarter`); with ``q'_j =
-    q_j / 4^j`` and per-row (s, m): ``q.k = s 2^24 (sum_j q'_j.c'_j) + m sum q``.
-    Values: ``a_j += sum_t c'_j (p s)_t``, the mins ``sum_t p_t m_t`` apart (one
-    number per query head), and ``o_j = a_j 2^24 / 4^j + mins`` at the end.
-    Where the codes unpack in registers (:func:`_quarters_asm`), elements 1
-    and 2 of every four trade places: in the head dim of the keys (q is read
-    the same way) and in the tokens of the values (the key rows, and so the
+    product would be), one tier after the other in the columns (``h NG +
+    g``): scores ``S^T = K Q^T [TILE, NG GP]`` and outputs ``O^T = V^T P^T``
+    per crumb of each run of code bytes (:func:`row_pieces`). Crumb j of a
+    byte enters as the subnormal fp16 ``4^j c_j 2^-24`` (:func:`_crumb`);
+    with q divided by the crumb's power of two (:func:`_crumb_map`) and
+    per-row, per-tier (s, m): ``q.k = sum over tiers of s 2^24 (q'.c') + m
+    sum q``. Values: ``a += sum_t c' (p s)_t`` per crumb, the mins ``sum_t
+    p_t m_t`` apart (one number per query head and tier), and ``o = a 2^24 /
+    4^j + mins`` at the end (an INT4 nibble's two crumbs added). A K tier
+    that is not stored adds one number per query head to every score (q
+    times its calibrated mean): the slice's log-sum-exp takes it. A V tier
+    that is not stored reads its calibrated mean.
+    Where the codes unpack in registers (:func:`_crumbs`), elements 1 and 2
+    of every four trade places: in the bytes of the keys (q is read the same
+    way) and in the tokens of the values (the key rows, and so the
     probabilities, are read the same way).
     """
-    D4: tl.constexpr = D // 4
-    NG: tl.constexpr = D // G
-    TINY: tl.constexpr = 5.9604644775390625e-08  # 2^-24
-    d4 = tl.arange(0, D4)
+    KC: tl.constexpr = K4 // 2 + K2 // 4
+    VC: tl.constexpr = V4 // 2 + V2 // 4
+    NK: tl.constexpr = (K4 > 0) + (K2 > 0)
+    NV: tl.constexpr = (V4 > 0) + (V2 > 0)
+    K0: tl.constexpr = D - K4 - K2
+    V0: tl.constexpr = D - V4 - V2
     SUB: tl.constexpr = (KB + TILE - 1) // TILE  # steps per page
-    qp = q_base[None, :] + _swap12(d4, ASM)[:, None]  # [D4, GP], in the keys' element order
-    qm = qmask[None, :]
-    q0 = (tl.load(qp, mask=qm, other=0.0).to(tl.float32) * q_scale).to(tl.float16)
-    q1 = (tl.load(qp + D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.25)).to(tl.float16)
-    q2 = (tl.load(qp + 2 * D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.0625)).to(tl.float16)
-    q3 = (tl.load(qp + 3 * D4, mask=qm, other=0.0).to(tl.float32) * (q_scale * 0.015625)).to(tl.float16)
-    # sum q per group, times 2^-24 like the key dots (the scores stay 2^-24 small until the exp)
-    qs_a = (tl.sum(q0.to(tl.float32), axis=0) + 4.0 * tl.sum(q1.to(tl.float32), axis=0)) * TINY
-    qs_b = (16.0 * tl.sum(q2.to(tl.float32), axis=0) + 64.0 * tl.sum(q3.to(tl.float32), axis=0)) * TINY
-    if NG == 1:
-        qs_a = qs_a + qs_b
+    qops = ()
+    for i in tl.static_range(len(KP)):
+        for j in tl.static_range(4):
+            qops = qops + (_query_plane(q_base, qmask, q_scale, KP[i][0], KP[i][1], j, K4, K2, NK, ASM),)
+    qs_a, qs_b = _tier_sums(q_base, qmask, q_scale, D, K4, K2)
 
     lo = SINK
     hi = tl.maximum(L - WINDOW, SINK)
@@ -306,44 +400,69 @@ def _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, spl
     l_i = tl.zeros([GP], tl.float32)
     mins_a = tl.zeros([GP], tl.float32)
     mins_b = tl.zeros([GP], tl.float32)
-    a0 = tl.zeros([D4, GP], tl.float32)
-    a1 = tl.zeros([D4, GP], tl.float32)
-    a2 = tl.zeros([D4, GP], tl.float32)
-    a3 = tl.zeros([D4, GP], tl.float32)
+    vacc = ()
+    for i in tl.static_range(len(VP)):
+        for j in tl.static_range(4):
+            vacc = vacc + (_zeros(VP[i][1], NV * GP),)
     for step in tl.range(step_lo, inner_lo, num_stages=2):
-        m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
-            step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
-            row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, True)
+        m_i, l_i, mins_a, mins_b, vacc = _step(
+            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+            KP, VP, KC, VC, NK, NV, KB, BLOCK_BYTES, STATE_BLOCKS, GP, ASM, TILE, True)
     for step in tl.range(inner_lo, inner_hi, num_stages=NSTAGE):
         # a step's addresses come from the loop index alone, so Triton copies
         # the next step's codes and scales while this one is read, and reads
         # the block table further ahead (num_stages)
-        m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
-            step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
-            row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, False)
+        m_i, l_i, mins_a, mins_b, vacc = _step(
+            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+            KP, VP, KC, VC, NK, NV, KB, BLOCK_BYTES, STATE_BLOCKS, GP, ASM, TILE, False)
     for step in tl.range(inner_hi, step_hi, num_stages=2):
-        m_i, l_i, mins_a, mins_b, a0, a1, a2, a3 = _int2_step(
-            step, m_i, l_i, mins_a, mins_b, a0, a1, a2, a3, q0, q1, q2, q3, qs_a, qs_b,
-            row, cache_u8, cache_i32, lo, hi, H, h, D, G, KB, STATE_BLOCKS, ASM, TILE, True)
+        m_i, l_i, mins_a, mins_b, vacc = _step(
+            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+            KP, VP, KC, VC, NK, NV, KB, BLOCK_BYTES, STATE_BLOCKS, GP, ASM, TILE, True)
 
-    if NG == 1:
-        mins_b = mins_a
-    inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    op = o_base[None, :] + d4[:, None]
-    tl.store(op, (a0 * 16777216.0 + mins_a[None, :]) * inv[None, :], mask=qm)
-    tl.store(op + D4, (a1 * 4194304.0 + mins_a[None, :]) * inv[None, :], mask=qm)
-    tl.store(op + 2 * D4, (a2 * 1048576.0 + mins_b[None, :]) * inv[None, :], mask=qm)
-    tl.store(op + 3 * D4, (a3 * 262144.0 + mins_b[None, :]) * inv[None, :], mask=qm)
-    tl.store(lse_ptr, tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf")), mask=qmask)
+    live = l_i > 0
+    inv = tl.where(live, 1.0 / l_i, 0.0)
+    qm = qmask[None, :]
+    for i in tl.static_range(len(VP)):
+        byte = VP[i][0] + tl.arange(0, tl.constexpr(VP[i][1]))
+        is4 = (byte < V4 // 2)[:, None]
+        for j in tl.static_range(4):
+            a = vacc[4 * i + j]
+            if V4 > 0 and j % 2 == 0:  # an INT4 nibble is this crumb and the next
+                a = tl.where(is4, a + vacc[4 * i + j + 1], a)
+            a_a, a_b = _deinterleave(a, NV, GP)
+            elem, div, tier, ok = _crumb_map(byte, j, V4, V2)
+            if V4 > 0 and j % 2 == 1:
+                ok = ok & (byte >= V4 // 2)
+            if NV == 2:
+                a = tl.where((tier == 0)[:, None], a_a, a_b)
+                mins = tl.where((tier == 0)[:, None], mins_a[None, :], mins_b[None, :])
+            else:
+                a = a_a
+                mins = mins_a[None, :]
+            out = (a * (16777216.0 / div)[:, None] + mins) * inv[None, :]
+            tl.store(o_base[None, :] + elem[:, None], out, mask=qm & ok[:, None])
+    lse = m_i + tl.log2(l_i)
+    if K0 > 0:
+        # every score of this slice moves by q . (the 0-bit keys' mean)
+        e0 = tl.arange(0, triton.next_power_of_2(K0))
+        zk = e0 < K0
+        qz = tl.load(q_base[None, :] + (D - K0 + e0)[:, None], mask=qm & zk[:, None], other=0.0).to(tl.float32)
+        lse += tl.sum(qz * tl.load(kfill + h * K0 + e0, mask=zk, other=0.0)[:, None], axis=0) * q_scale
+    if V0 > 0:
+        e0 = tl.arange(0, triton.next_power_of_2(V0))
+        zv = e0 < V0
+        f = tl.load(vfill + h * V0 + e0, mask=zv, other=0.0)
+        tl.store(o_base[None, :] + (D - V0 + e0)[:, None], tl.where(live[None, :], f[:, None], 0.0),
+                 mask=qm & zv[:, None])
+    tl.store(lse_ptr, tl.where(live, lse, float("-inf")), mask=qmask)
 
 
 @triton.jit
-def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk,
-               H, h, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr, SINK: tl.constexpr,
-               WINDOW: tl.constexpr, ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
+def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, H, h, D: tl.constexpr,
+               BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
+               GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
     """BLOCK_N state slots (chunk ``chunk``) of the live BF16 sink/window rows."""
-    NG: tl.constexpr = D // G
-    HALF_BLOCK: tl.constexpr = KB * (D // 2 + 8 * NG) // 2
     d = tl.arange(0, D)
     q = (tl.load(q_base[:, None] + d[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
          * q_scale).to(tl.float16)
@@ -352,7 +471,7 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk,
     slot = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = slot < n_rows
     sblk = tl.load(row + slot // ROWS, mask=ok, other=0).to(tl.int64)
-    sbase = (sblk * H + h) * HALF_BLOCK + (slot % ROWS) * (2 * D)
+    sbase = (sblk * H + h) * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D)
     k = tl.load(cache_bf16 + sbase[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
     v = tl.load(cache_bf16 + sbase[:, None] + D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
     s = tl.dot(q, tl.trans(k))
@@ -369,9 +488,10 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk,
 
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
-                   cache_u8, cache_i32, cache_bf16, o_ptr, lse_ptr, q_scale, num_splits,
+                   cache_u8, cache_i32, cache_bf16, kfill, vfill, o_ptr, lse_ptr, q_scale, num_splits,
                    H, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
-                   D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+                   KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
+                   V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr,
                    ROWS: tl.constexpr, NUM_BF16: tl.constexpr,
                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr,
@@ -388,11 +508,12 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     part = (b * HQ + hq).to(tl.int64) * (num_splits + NUM_BF16) + split
     o_base = o_ptr + part * D
     if split < num_splits:
-        _int2_split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr + part, L, split,
-                    H, h, D, G, KB, SINK, WINDOW, STATE_BLOCKS, num_splits, GP, q_scale, ASM, NSTAGE, TILE)
+        _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr + part, L, split, H, h, kfill, vfill,
+               q_scale, num_splits, KP, VP, K4, K2, V4, V2, D, KB, BLOCK_BYTES, SINK, WINDOW,
+               STATE_BLOCKS, GP, ASM, NSTAGE, TILE)
     else:
-        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits,
-                   H, h, D, G, KB, SINK, WINDOW, ROWS, GP, BLOCK_N, q_scale)
+        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits, H, h, D,
+                   BLOCK_BYTES, SINK, WINDOW, ROWS, GP, BLOCK_N, q_scale)
 
 
 @triton.jit
@@ -424,16 +545,25 @@ def _merge_kernel(o_ptr, lse_ptr, out_ptr, stride_ob, stride_oh, parts, HQ: tl.c
 
 
 def num_splits(batch: int, kv_heads: int, max_context: int, sm_count: int, block_size: int = 128) -> int:
-    """INT2 splits per (request, KV head): at most 32 programs per SM (an SM
-    holds 11 one-warp programs at the default launch: 168 registers a thread,
-    19 KB of shared memory a program),
-    each slice at least four pages long (the prologue and the merge stay small
-    against the pages read). On the H200, batch 32 at 100K tokens took
-    0.59-0.62 ms at every count from 8 to 64 (benchmarks/oscar_kernels.py, its
-    split sweep): the count matters little once the SMs are full."""
+    """Quantized-range splits per (request, KV head): at most 32 programs per
+    SM (an SM holds 11 one-warp programs at the default launch: 168 registers
+    a thread, 19 KB of shared memory a program), each slice at least four
+    pages long (the prologue and the merge stay small against the pages
+    read). On the H200, batch 32 at 100K tokens took 0.59-0.62 ms at every
+    count from 8 to 64 (benchmarks/oscar_kernels.py, its split sweep): the
+    count matters little once the SMs are full."""
     want = 32 * sm_count // max(batch * kv_heads, 1)
     longest = max(1, max_context // (4 * block_size))
     return max(1, min(want, longest, 256))
+
+
+def fill_tensor(fill: torch.Tensor | None, width: int, device) -> torch.Tensor:
+    """The ``[H, width]`` fp32 means of a 0-bit tier (a dummy when there is none)."""
+    if not width:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    if fill is None or fill.shape[-1] != width:
+        raise ValueError(f"a 0-bit tier of {width} directions needs its calibrated mean [H, {width}]")
+    return fill.to(device=device, dtype=torch.float32).contiguous()
 
 
 def decode_attention(
@@ -446,18 +576,18 @@ def decode_attention(
     splits: int,
     out: torch.Tensor,
     launch: dict | None = None,
+    fills=(None, None),
 ) -> torch.Tensor:
     """Attention of ``q [B, Hq, D]`` (rotated; position ``seq_lens - 1``, its
     own K/V already stored) over each request's cache, into ``out [B, Hq, D]``.
     ``launch``: Triton launch options over :func:`default_launch` (num_warps,
-    num_stages, tile, bf16_rows)."""
+    num_stages, tile, bf16_rows); ``fills``: the K and V 0-bit tiers' means
+    ``[H, width]`` (this rank's KV heads)."""
     b, hq, d = q.shape
     h = kv_cache.shape[1]
     group = hq // h
-    if fmt.groups not in (1, 2) or fmt.block_size < 16:
-        raise ValueError(
-            f"OSCAR Triton decode needs group_size head_size or head_size/2 and block_size >= 16, "
-            f"got {fmt.group_size} and {fmt.block_size}")
+    if fmt.block_size < 16:
+        raise ValueError(f"OSCAR Triton decode needs block_size >= 16, got {fmt.block_size}")
     if b == 0:
         return out
     if q.stride(2) != 1:
@@ -471,10 +601,12 @@ def decode_attention(
     lse_part = torch.empty(b, hq, parts, dtype=torch.float32, device=q.device)
     _decode_kernel[(b, h, parts)](
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
-        kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16), o_part, lse_part,
+        kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
+        fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device), o_part, lse_part,
         scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
-        D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window,
-        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
+        KP=row_pieces(fmt.k.code_bytes), VP=row_pieces(fmt.v.code_bytes), K4=fmt.k.int4, K2=fmt.k.int2,
+        V4=fmt.v.int4, V2=fmt.v.int2, D=d, KB=fmt.block_size, BLOCK_BYTES=fmt.block_bytes,
+        SINK=fmt.sink, WINDOW=fmt.window, STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=_compiled(q), NSTAGE=lc["num_stages"],
         TILE=tile, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )

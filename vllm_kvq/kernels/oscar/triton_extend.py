@@ -1,21 +1,22 @@
-"""OSCAR prefill / extend: a chunk of query tokens over the request's INT2 +
-BF16 history and the chunk itself.
+"""OSCAR prefill / extend: a chunk of query tokens over the request's
+quantized + BF16 history and the chunk itself.
 
 Twin of :func:`reference.mixed_attention` as :func:`reference.attend_and_write`
-uses it: query t reads key s in BF16 iff ``s < S0`` or ``t - s < W``, INT2
-otherwise, causal, one exact softmax. Run it after the chunk's INT2 rows are
-stored and before its BF16 rows are (``triton_store.store_tokens`` with
-``state=False``, then this, then ``data=False``): its early queries need the
-ring rows that its later tokens overwrite.
+uses it: query t reads key s in BF16 iff ``s < S0`` or ``t - s < W``,
+quantized otherwise, causal, one exact softmax. Run it after the chunk's
+quantized rows are stored and before its BF16 rows are
+(``triton_store.store_tokens`` with ``state=False``, then this, then
+``data=False``): its early queries need the ring rows that its later tokens
+overwrite.
 
 Grid ``(tiles, H, head blocks)``; a tile is up to ``BLOCK_M`` consecutive query
 tokens of one request, and a program serves them for ``HEADS`` query heads of
-one KV head at once (GQA: every INT2 row is unpacked once for
-``BLOCK_M * HEADS`` query rows). Keys are visited in three ranges, so that only
-the last one pays for both precisions:
+one KV head at once (GQA: every quantized row is dequantized once for
+``BLOCK_M * HEADS`` query rows, whatever its tiers). Keys are visited in three
+ranges, so that only the last one pays for both precisions:
 
 * sink ``[0, S0)``: BF16 rows;
-* ``[S0, t_min - W]``: INT2 for every query of the tile;
+* ``[S0, t_min - W]``: quantized for every query of the tile;
 * ``(t_min - W, t_max]``: both, chosen per (query, key).
 
 BF16 rows of context positions come from the ring slots, of chunk positions
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.oscar.triton_decode import _page_base, page_step, softmax_step
+from vllm_kvq.kernels.oscar.triton_decode import _page_base, fill_tensor, page_step, softmax_step
 
 LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query tokens per tile
@@ -56,65 +57,74 @@ def key_tile(block_n: int, head_size: int, block_size: int) -> int:
 
 
 @triton.jit
-def _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, SHIFT_V: tl.constexpr, D: tl.constexpr,
-               G: tl.constexpr, KB: tl.constexpr, STATE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dequantized K (SHIFT_V=0) or V (1) rows of positions ``n0 ..
-    n0 + BLOCK_N``, as four fp16 quarters; rows not ``ok`` are zeros.
+def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, H, h, V: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
+                D: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, VC: tl.constexpr, NK: tl.constexpr,
+                NV: tl.constexpr, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantized K (V=0) or V (1) rows of positions ``n0 .. n0 + BLOCK_N``
+    as ``[BLOCK_N, D]`` fp16; rows not ``ok`` read zero scales.
 
     ``n0`` starts a tile of its page (a multiple of BLOCK_N past the page's
-    start), so codes are read as contiguous runs: K's rows along the head dim,
-    V's byte-major rows along the tokens. A page's last tile may run past it
+    start), so codes come from one page. A page's last tile may run past it
     where BLOCK_N does not divide KB; its rows there are not ``ok``. Codes are
     read unmasked (every address stays inside the page's own region, which
-    the request owns: BLOCK_N <= KB); the masked scales zero the rest.
+    the request owns: BLOCK_N <= KB); the masked scales zero the rest. Each
+    element is read from its tier's byte and bits: element ``e`` of the INT4
+    tier from byte ``e % (W4/2)``, nibble ``e // (W4/2)``; of the INT2 tier
+    after the INT4 bytes, crumb ``e' // (W2/4)``; past both, the 0-bit tier's
+    calibrated mean.
     """
-    D4: tl.constexpr = D // 4
-    NG: tl.constexpr = D // G
-    GB: tl.constexpr = NG - 1
-    d4 = tl.arange(0, D4)
-    base = _page_base(row, n0 // KB, H, h, D, NG, KB, STATE_BLOCKS)
+    NB4: tl.constexpr = W4 // 2
+    NB2: tl.constexpr = W2 // 4
+    NT: tl.constexpr = NV if V else NK
+    e = tl.arange(0, D)
+    is4 = e < W4
+    is0 = e >= W4 + W2
+    e2 = tl.maximum(e - W4, 0)
+    byte = tl.where(is4, e % max(NB4, 1), NB4 + e2 % max(NB2, 1))
+    shift = tl.where(is4, 4 * (e // max(NB4, 1)), 2 * (e2 // max(NB2, 1)))
+    mask = tl.where(is4, 15, 3)
+    base = _page_base(row, n0 // KB, H, h, BLOCK_BYTES, STATE_BLOCKS)
     off = n0 % KB + tl.arange(0, BLOCK_N)
-    if SHIFT_V:  # V codes are byte-major (format.py): [D/4, BLOCK_N], then transposed
-        c = tl.trans(tl.load(cache_u8 + base + KB * D4 + d4[:, None] * KB + off[None, :])).to(tl.int32)
+    if V:  # V codes are byte-major (format.py)
+        at = cache_u8 + base + KB * KC + byte[None, :] * KB + off[:, None]
+        pairs = cache_i32 + (base + KB * (KC + VC + 4 * NK)) // 4 + off * NT
     else:
-        c = tl.load(cache_u8 + base + off[:, None] * D4 + d4[None, :]).to(tl.int32)
-    sm = (base + KB * (D // 2) + SHIFT_V * KB * 4 * NG) // 2 + off * (2 * NG)
-    sa = tl.load(cache_f16 + sm, mask=ok, other=0.0).to(tl.float32)[:, None]
-    ma = tl.load(cache_f16 + sm + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
-    sb = tl.load(cache_f16 + sm + 2 * GB, mask=ok, other=0.0).to(tl.float32)[:, None]
-    mb = tl.load(cache_f16 + sm + 2 * GB + 1, mask=ok, other=0.0).to(tl.float32)[:, None]
-    x0 = ((c & 3).to(tl.float32) * sa + ma).to(tl.float16)
-    x1 = (((c >> 2) & 3).to(tl.float32) * sa + ma).to(tl.float16)
-    x2 = (((c >> 4) & 3).to(tl.float32) * sb + mb).to(tl.float16)
-    x3 = (((c >> 6) & 3).to(tl.float32) * sb + mb).to(tl.float16)
-    return x0, x1, x2, x3
+        at = cache_u8 + base + off[:, None] * KC + byte[None, :]
+        pairs = cache_i32 + (base + KB * (KC + VC)) // 4 + off * NT
+    c = ((tl.load(at, mask=(~is0)[None, :], other=0).to(tl.int32) >> shift[None, :]) & mask[None, :]).to(tl.float32)
+    w = tl.load(pairs, mask=ok, other=0)
+    s_a = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+    m_a = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+    if NT == 2:
+        w = tl.load(pairs + 1, mask=ok, other=0)
+        s_b = (w & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        m_b = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)[:, None]
+        x = tl.where(is4[None, :], c * s_a + m_a, c * s_b + m_b)
+    else:
+        x = c * s_a + m_a
+    Z: tl.constexpr = D - W4 - W2
+    if Z > 0:
+        f = tl.load(fill + h * Z + tl.maximum(e - (W4 + W2), 0), mask=is0, other=0.0)
+        x = tl.where(is0[None, :], f[None, :], x)
+    return x.to(tl.float16)
 
 
 @triton.jit
 def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_h, H, h,
-               SHIFT_V: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+               V: tl.constexpr, D: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                SINK: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr):
-    """K (SHIFT_V=0) or V (1) BF16 rows of ``pos``: ring slots for context
-    positions, the chunk's own rows for the rest. Four fp16 quarters."""
-    D4: tl.constexpr = D // 4
-    NG: tl.constexpr = D // G
-    HALF_BLOCK: tl.constexpr = KB * (D // 2 + 8 * NG) // 2
-    d4 = tl.arange(0, D4)
+    """K (V=0) or V (1) BF16 rows of ``pos`` as ``[BLOCK_N, D]`` fp16: ring
+    slots for context positions, the chunk's own rows for the rest."""
+    d = tl.arange(0, D)
     old = ok & (pos < ctx)
     new = ok & (pos >= ctx)
     slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
     sblk = tl.load(row + slot // ROWS, mask=old, other=0).to(tl.int64)
-    ring = cache_bf16 + (sblk * H + h) * HALF_BLOCK + (slot % ROWS) * (2 * D) + SHIFT_V * D
+    ring = cache_bf16 + (sblk * H + h) * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D) + V * D
     chunk = new_ptr + (qstart + pos - ctx).to(tl.int64) * stride_t + h * stride_h
-    x0 = tl.load(ring[:, None] + d4[None, :], mask=old[:, None], other=0.0) + \
-        tl.load(chunk[:, None] + d4[None, :], mask=new[:, None], other=0.0)
-    x1 = tl.load(ring[:, None] + D4 + d4[None, :], mask=old[:, None], other=0.0) + \
-        tl.load(chunk[:, None] + D4 + d4[None, :], mask=new[:, None], other=0.0)
-    x2 = tl.load(ring[:, None] + 2 * D4 + d4[None, :], mask=old[:, None], other=0.0) + \
-        tl.load(chunk[:, None] + 2 * D4 + d4[None, :], mask=new[:, None], other=0.0)
-    x3 = tl.load(ring[:, None] + 3 * D4 + d4[None, :], mask=old[:, None], other=0.0) + \
-        tl.load(chunk[:, None] + 3 * D4 + d4[None, :], mask=new[:, None], other=0.0)
-    return x0.to(tl.float16), x1.to(tl.float16), x2.to(tl.float16), x3.to(tl.float16)
+    x = tl.load(ring[:, None] + d[None, :], mask=old[:, None], other=0.0) + \
+        tl.load(chunk[:, None] + d[None, :], mask=new[:, None], other=0.0)
+    return x.to(tl.float16)
 
 
 @triton.jit
@@ -145,25 +155,21 @@ def _step_rows(step, KB: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _scores(q0, q1, q2, q3, k0, k1, k2, k3):
-    s = tl.dot(q0, tl.trans(k0))
-    s += tl.dot(q1, tl.trans(k1))
-    s += tl.dot(q2, tl.trans(k2))
-    s += tl.dot(q3, tl.trans(k3))
-    return s
-
-
-@triton.jit
 def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
-                   tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_f16, cache_bf16,
+                   tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_i32, cache_bf16, kfill, vfill,
                    out_ptr, stride_ot, stride_oh,
-                   H, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                   H, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                   K4: tl.constexpr, K2: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,
                    KB: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
                    STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
-    D4: tl.constexpr = D // 4
+    KC: tl.constexpr = K4 // 2 + K2 // 4
+    VC: tl.constexpr = V4 // 2 + V2 // 4
+    NK: tl.constexpr = (K4 > 0) + (K2 > 0)
+    NV: tl.constexpr = (V4 > 0) + (V2 > 0)
+    BLOCK_BYTES: tl.constexpr = KB * (KC + VC + 4 * (NK + NV))
     QR: tl.constexpr = BLOCK_M * HEADS  # query rows: token-major, heads inside
     req = tl.load(tiles_ptr + tile * 5)
     tok0 = tl.load(tiles_ptr + tile * 5 + 1)
@@ -180,40 +186,30 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
     tpos = ctx + tok - qstart
     t_min = ctx + tok0 - qstart
     t_max = t_min + nq - 1
-    d4 = tl.arange(0, D4)
-    qb = q_ptr + tok.to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh + d4[None, :]
-    q0 = tl.load(qb, mask=qok[:, None], other=0.0).to(tl.float16)
-    q1 = tl.load(qb + D4, mask=qok[:, None], other=0.0).to(tl.float16)
-    q2 = tl.load(qb + 2 * D4, mask=qok[:, None], other=0.0).to(tl.float16)
-    q3 = tl.load(qb + 3 * D4, mask=qok[:, None], other=0.0).to(tl.float16)
+    d = tl.arange(0, D)
+    q = tl.load(q_ptr + tok.to(tl.int64)[:, None] * stride_qt + hq[:, None] * stride_qh + d[None, :],
+                mask=qok[:, None], other=0.0).to(tl.float16)
 
     m_i = tl.full([QR], float("-inf"), tl.float32)
     l_i = tl.zeros([QR], tl.float32)
-    a0 = tl.zeros([QR, D4], tl.float32)
-    a1 = tl.zeros([QR, D4], tl.float32)
-    a2 = tl.zeros([QR, D4], tl.float32)
-    a3 = tl.zeros([QR, D4], tl.float32)
+    acc = tl.zeros([QR, D], tl.float32)
 
     # 1. sink: BF16
     sink_end = tl.minimum(SINK, t_max + 1)
     for n0 in range(0, sink_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < sink_end
-        k0, k1, k2, k3 = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, H, h,
-                                    0, D, G, KB, SINK, RING, ROWS)
-        s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        k = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, H, h, 0, D, BLOCK_BYTES,
+                       SINK, RING, ROWS)
+        s = tl.dot(q, tl.trans(k))
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
-        v0, v1, v2, v3 = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h,
-                                    1, D, G, KB, SINK, RING, ROWS)
-        pf = p.to(tl.float16)
-        a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
-        a1 = a1 * alpha[:, None] + tl.dot(pf, v1)
-        a2 = a2 * alpha[:, None] + tl.dot(pf, v2)
-        a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
+        v = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h, 1, D, BLOCK_BYTES,
+                       SINK, RING, ROWS)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
-    # 2. keys at least W behind every query of the tile: INT2, in steps of
+    # 2. keys at least W behind every query of the tile: quantized, in steps of
     # BLOCK_N through each page (a page's last step partial where BLOCK_N
     # does not divide KB)
     int2_end = tl.maximum(t_min - WINDOW + 1, SINK)
@@ -223,53 +219,43 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
     for step in range(int2_lo, int2_hi):
         n0, pos, inside = _step_rows(step, KB, BLOCK_N)
         ok = (pos >= SINK) & (pos < int2_end) & inside
-        k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
-        s = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        k = _quant_rows(n0, ok, row, cache_u8, cache_i32, kfill, H, h, 0, K4, K2, D, KB, KC, VC, NK, NV,
+                        BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
+        s = tl.dot(q, tl.trans(k))
         s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
-        v0, v1, v2, v3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS, BLOCK_N)
-        pf = p.to(tl.float16)
-        a0 = a0 * alpha[:, None] + tl.dot(pf, v0)
-        a1 = a1 * alpha[:, None] + tl.dot(pf, v1)
-        a2 = a2 * alpha[:, None] + tl.dot(pf, v2)
-        a3 = a3 * alpha[:, None] + tl.dot(pf, v3)
+        v = _quant_rows(n0, ok, row, cache_u8, cache_i32, vfill, H, h, 1, V4, V2, D, KB, KC, VC, NK, NV,
+                        BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
-    # 3. the rest, up to the last query: BF16 inside each query's window, INT2 beyond
+    # 3. the rest, up to the last query: BF16 inside each query's window, quantized beyond
     for step in range(_step_of(int2_end, KB, BLOCK_N), _steps_before(t_max + 1, KB, BLOCK_N)):
         n0, pos, inside = _step_rows(step, KB, BLOCK_N)
         ok = (pos >= int2_end) & (pos <= t_max) & inside
         # ring rows older than ctx - W now hold newer positions; no query here reads them in BF16
         has_bf16 = ok & ((pos >= ctx) | (pos >= ctx - WINDOW))
-        k0, k1, k2, k3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 0, D, G, KB, STATE_BLOCKS, BLOCK_N)
-        s_lo = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
-        k0, k1, k2, k3 = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh,
-                                    H, h, 0, D, G, KB, SINK, RING, ROWS)
-        s_hi = _scores(q0, q1, q2, q3, k0, k1, k2, k3)
+        k = _quant_rows(n0, ok, row, cache_u8, cache_i32, kfill, H, h, 0, K4, K2, D, KB, KC, VC, NK, NV,
+                        BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
+        s_lo = tl.dot(q, tl.trans(k))
+        k = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, H, h, 0, D,
+                       BLOCK_BYTES, SINK, RING, ROWS)
+        s_hi = tl.dot(q, tl.trans(k))
         use_hi = (tpos[:, None] - pos[None, :]) < WINDOW
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, tl.where(use_hi, s_hi, s_lo), float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
         p_hi = tl.where(use_hi, p, 0.0).to(tl.float16)
         p_lo = tl.where(use_hi, 0.0, p).to(tl.float16)
-        v0, v1, v2, v3 = _int2_rows(n0, ok, row, cache_u8, cache_f16, H, h, 1, D, G, KB, STATE_BLOCKS, BLOCK_N)
-        a0 = a0 * alpha[:, None] + tl.dot(p_lo, v0)
-        a1 = a1 * alpha[:, None] + tl.dot(p_lo, v1)
-        a2 = a2 * alpha[:, None] + tl.dot(p_lo, v2)
-        a3 = a3 * alpha[:, None] + tl.dot(p_lo, v3)
-        v0, v1, v2, v3 = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh,
-                                    H, h, 1, D, G, KB, SINK, RING, ROWS)
-        a0 += tl.dot(p_hi, v0)
-        a1 += tl.dot(p_hi, v1)
-        a2 += tl.dot(p_hi, v2)
-        a3 += tl.dot(p_hi, v3)
+        v = _quant_rows(n0, ok, row, cache_u8, cache_i32, vfill, H, h, 1, V4, V2, D, KB, KC, VC, NK, NV,
+                        BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
+        acc = acc * alpha[:, None] + tl.dot(p_lo, v)
+        v = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h, 1, D,
+                       BLOCK_BYTES, SINK, RING, ROWS)
+        acc += tl.dot(p_hi, v)
 
     inv = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-    ob = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh + d4[None, :]
-    ty = out_ptr.dtype.element_ty
-    tl.store(ob, (a0 * inv[:, None]).to(ty), mask=qok[:, None])
-    tl.store(ob + D4, (a1 * inv[:, None]).to(ty), mask=qok[:, None])
-    tl.store(ob + 2 * D4, (a2 * inv[:, None]).to(ty), mask=qok[:, None])
-    tl.store(ob + 3 * D4, (a3 * inv[:, None]).to(ty), mask=qok[:, None])
+    ob = out_ptr + tok.to(tl.int64)[:, None] * stride_ot + hq[:, None] * stride_oh + d[None, :]
+    tl.store(ob, (acc * inv[:, None]).to(out_ptr.dtype.element_ty), mask=qok[:, None])
 
 
 def query_tiles(requests: list[tuple[int, int, int, int]], device) -> torch.Tensor:
@@ -291,14 +277,14 @@ def extend_attention(
     scale: float,
     out: torch.Tensor,
     launch: dict | None = None,
+    fills=(None, None),
 ) -> torch.Tensor:
     """Attention of chunk queries ``q [N, Hq, D]`` (rotated) with the chunk's
     rotated keys ``k`` and values ``v [N, H, D]`` (bf16), into ``out``.
-    ``launch``: rows, block_n, num_warps over :func:`default_launch`."""
+    ``launch``: rows, block_n, num_warps over :func:`default_launch`;
+    ``fills``: the K and V 0-bit tiers' means ``[H, width]``."""
     hq, d = q.shape[1], q.shape[2]
     h = kv_cache.shape[1]
-    if fmt.groups not in (1, 2):
-        raise ValueError(f"OSCAR Triton extend needs group_size head_size or head_size/2, got {fmt.group_size}")
     if tiles.shape[0] == 0:
         return out
     qs = (q.float() * (scale * LOG2E)).contiguous()
@@ -308,10 +294,12 @@ def extend_attention(
     _extend_kernel[(tiles.shape[0], h, triton.cdiv(group, heads))](
         qs, qs.stride(0), qs.stride(1), k, k.stride(0), k.stride(1), v, v.stride(0), v.stride(1),
         tiles, block_table, block_table.stride(0),
-        kv_cache, kv_cache.view(torch.float16), kv_cache.view(torch.bfloat16),
+        kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
+        fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device),
         out, out.stride(0), out.stride(1),
-        h, GROUP=group, HEADS=heads, D=d, G=fmt.group_size, KB=fmt.block_size, SINK=fmt.sink,
-        WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
+        h, GROUP=group, HEADS=heads, D=d, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
+        KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1),
+        STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         BLOCK_M=BLOCK_M, BLOCK_N=key_tile(lc["block_n"], d, fmt.block_size), num_warps=lc["num_warps"],
     )
     return out

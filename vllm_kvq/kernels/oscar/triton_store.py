@@ -1,27 +1,27 @@
-"""Fused OSCAR write path: rotate K, clip, quantize, pack, and store BF16
-sink/window rows, in one launch per layer.
+"""Fused OSCAR write path: rotate K, clip, quantize each tier, pack, and store
+the BF16 sink/window rows, in one launch per layer.
 
-Twin of :func:`reference.write_request` (plus the K rotation and the
-quantizer of :func:`reference.quantize_rows`) for every token of a batch at
-once; the pages it writes equal the reference's bit for bit. A program takes
-``T`` rows (tokens) of one KV head, each row sliced over ``TPR`` threads that
-hold its 16-byte pieces ``h, h + TPR, ...`` of K and of V (so a row's clip
-search, min/max and packing stay within a few lanes instead of spreading over
-a warp):
+Twin of :func:`reference.write_request` (plus the K rotation and
+:func:`reference.quantize`) for every token of a batch at once; the pages it
+writes equal the reference's bit for bit. A program takes ``T`` rows (tokens)
+of one KV head. The layer's tier plan is compile-time: each stored tier is
+read as a ``[T, bytes, planes]`` tile whose slot ``(b, j)`` is the element
+that goes to bits ``j`` of code byte ``b`` (4 INT2 or 2 INT4 planes), so
+packing is a sum over the last axis.
 
-* **clip threshold**: the bf16 magnitude pattern ``c`` with more than ``A``
-  entries at or above it (``sort(|x|)[D - 1 - A]``), found bit by bit. K and V
-  share the two 16-bit halves of one int32 with a guard bit above each
-  magnitude, so ``(|x| | 0x8000) - c`` keeps bit 15 of a half iff ``|x| >= c``;
-  one byte permute (PRMT, sign-replicating) turns two such words into 0xFF
-  flags in four byte counters, and the row's sum times 255^-1 mod 2^32 gives
-  the counts. The search starts in the octave below the row's largest
-  magnitude (7 bits) and falls back to all 15 bits in a tile where a row's
-  threshold lies lower.
-* **codes**: ``clamp(floor((x - min) / scale + 0.5), 0, 3)`` with the division
-  correctly rounded from one reciprocal per row (``q0 = a r``, refined by one
-  residual: Markstein), counted against the three points where the rounding
-  steps (``q >= 0.5 - 2^-25, 1.5, 2.5``) and added into the packed word.
+* **clip threshold** (INT2 tiers): the bf16 magnitude pattern ``c`` with more
+  than ``A`` entries at or above it (``sort(|x|)[w - 1 - A]``), found bit by
+  bit. K and V share the two 16-bit halves of one int32 with a guard bit
+  above each magnitude, so ``(|x| | 0x8000) - c`` keeps bit 15 of a half iff
+  ``|x| >= c``; one byte permute (PRMT, sign-replicating) turns two such words
+  into 0xFF flags in four byte counters, and the row's sum times 255^-1 mod
+  2^32 gives the counts. The search starts in the octave below the row's
+  largest magnitude (7 bits) and falls back to all 15 bits in a tile where a
+  row's threshold lies lower.
+* **codes**: ``clamp(floor((x - min) / scale + 0.5), 0, levels)`` with the
+  division correctly rounded from one reciprocal per row (``q0 = a r``,
+  refined by one residual: Markstein); INT2 codes are counted against the
+  three points where the rounding steps (``q >= 0.5 - 2^-25, 1.5, 2.5``).
 
 A token at position -1 (its request has length 0: the padding vLLM adds to a
 batch replayed from a CUDA graph) or with a negative slot writes nothing.
@@ -37,22 +37,21 @@ import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
 
-# warps, and threads per row (tpr): the program takes 32 * num_warps / tpr rows
-LAUNCH = {"num_warps": 4, "tpr": 4}
-
 
 def default_launch(head_size: int, decode: bool = False) -> dict:
-    """The launch for ``head_size``: ``tpr`` grows with the head so a thread
-    keeps 32 elements of a K row and 32 of the V row, or 16 of each for a
-    decode step, whose few tokens fill more programs of 16 rows (the least the
-    tensor-core rotation takes) instead (on the H200, 0.0092 against 0.011 ms
-    per graph replay at batch 8, 0.0103 against 0.013 at batch 256)."""
-    return {**LAUNCH, "tpr": max(head_size // (16 if decode else 32), 2)}
+    """Rows per program: 4,096 elements of a kind a program at 4 warps (32
+    rows at D = 128), half that for a decode step, whose few tokens fill more
+    programs; at least the 16 rows the tensor-core rotation takes."""
+    return {"num_warps": 4, "rows": max((2048 if decode else 4096) // head_size, 16)}
 
 
 def _compiled(x: torch.Tensor) -> bool:
     """True where Triton compiles for a GPU (not in its interpreter)."""
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
 
 
 @triton.jit
@@ -69,9 +68,8 @@ def _flags(dl, dh, ASM: tl.constexpr):
 def _counts(pl, ph, cand, ASM: tl.constexpr):
     """Per row: entries of K and of V whose magnitude is >= the row's
     candidate (K in the low, V in the high 16 bits of ``cand [T]``)."""
-    c = cand[None, None, :, None, None]
-    w = _flags(pl - c, ph - c, ASM)
-    s = tl.sum(tl.sum(tl.sum(tl.sum(w, axis=4), axis=1), axis=0), axis=1)  # in-thread axes first
+    c = cand[:, None, None]
+    s = tl.sum(tl.sum(_flags(pl - c, ph - c, ASM), axis=2), axis=1)
     f = s * -16843009
     return (f & 0xFF) + ((f >> 8) & 0xFF), ((f >> 16) & 0xFF) + ((f >> 24) & 0xFF)
 
@@ -79,7 +77,7 @@ def _counts(pl, ph, cand, ASM: tl.constexpr):
 @triton.jit
 def _clip_thresholds(pl, ph, mk, mv, k_above, v_above, ASM: tl.constexpr):
     """bf16 magnitude patterns of each row's clip threshold, K and V: the
-    largest c with more than ``*_above`` entries >= c (sort(|x|)[D-1-above])."""
+    largest c with more than ``*_above`` entries >= c (sort(|x|)[w-1-above])."""
     lk = tl.maximum(mk - 127, 0)
     lv = tl.maximum(mv - 127, 0)
     nk, nv = _counts(pl, ph, lk | (lv << 16), ASM)
@@ -101,20 +99,6 @@ def _clip_thresholds(pl, ph, mk, mv, k_above, v_above, ASM: tl.constexpr):
 
 
 @triton.jit
-def _clamp_pairs(words, thr2, ASM: tl.constexpr):
-    """bf16 pairs clamped to [-thr, thr] lane by lane (``thr2``: the bf16
-    threshold in both 16-bit lanes); exact, so the same in either form."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 n; xor.b32 n, $2, 0x80008000; max.bf16x2 $0, $1, n; min.bf16x2 $0, $0, $2; }",
-            "=r,r,r", [words, thr2], dtype=tl.int32, is_pure=True, pack=1)
-    t = (thr2 << 16).to(tl.float32, bitcast=True)
-    lo = tl.minimum(tl.maximum((words << 16).to(tl.float32, bitcast=True), -t), t)
-    hi = tl.minimum(tl.maximum((words & -65536).to(tl.float32, bitcast=True), -t), t)
-    return ((lo.to(tl.int32, bitcast=True) >> 16) & 0xFFFF) | (hi.to(tl.int32, bitcast=True) & -65536)
-
-
-@triton.jit
 def _ge(q, h, ASM: tl.constexpr):
     """-1 where q >= h, else 0 (one SET instruction compiled)."""
     if ASM:
@@ -124,76 +108,81 @@ def _ge(q, h, ASM: tl.constexpr):
 
 
 @triton.jit
-def _codes(x, a_lo, neg_s, r, spos, mult, ASM: tl.constexpr):
-    """INT2 codes of fp32 ``x`` (clipped bf16 values) times ``mult`` (their bit
-    in the packed word): the reference's clamp(floor((x - lo) / s + 0.5), 0, 3)
-    with the division correctly rounded (one reciprocal per row; q0 = a r
-    refined by one residual, Markstein), counted against the three points where
-    floor(q + 0.5) steps: q >= 0.5 - 2^-25, 1.5, 2.5."""
-    a = x - a_lo
-    q0 = a * r
-    rem = tl.fma(q0, neg_s, a)
-    q = tl.where(spos, tl.fma(rem, r, q0), q0)
-    n = _ge(q, 0.4999999701976776, ASM) + _ge(q, 1.5, ASM) + _ge(q, 2.5, ASM)
-    return n * mult
+def _tier_slots(START: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, P: tl.constexpr):
+    """Element (from the row's start) and validity of each (byte, plane) slot
+    of a tier of NB code bytes and P planes, as ``[NBP, P]``."""
+    b = tl.arange(0, NBP)[:, None]
+    j = tl.arange(0, P)[None, :]
+    return START + b + j * NB, (b < NB) & (j < P)
 
 
 @triton.jit
-def _row_quant(words, tmin, tmax, thr, NG: tl.constexpr, PG: tl.constexpr, T: tl.constexpr,
-               TPR: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
-    """Packed code words [T, D/16] and (scale | min << 16) words [NG, T] of
-    the rows in ``words [NG, PG, T, TPR, 4]`` (bf16 pairs) clipped at ``thr``
-    (bf16 magnitude patterns [T])."""
-    thr_f = (thr << 16).to(tl.float32, bitcast=True)
-    lo = tl.maximum(tmin, -thr_f[None, :])
-    hi = tl.minimum(tmax, thr_f[None, :])
-    scale = tl.maximum(tl.math.div_rn(hi - lo, 3.0), 1e-8).to(tl.float16)
+def _load_tier(rows, ok, START: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, P: tl.constexpr):
+    """bf16 bits (int32, zero where no element) of a tier's slots for rows at
+    ``rows [T]`` (int16 pointers), and the slots' validity ``[1, NBP, P]``."""
+    elem, valid = _tier_slots(START, NB, NBP, P)
+    bits = tl.load(rows[:, None, None] + elem[None, :, :], mask=ok[:, None, None] & valid[None, :, :], other=0)
+    return bits.to(tl.int32) & 0xFFFF, valid[None, :, :]
+
+
+@triton.jit
+def _minmax(bits, valid):
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    mn = tl.min(tl.min(tl.where(valid, x, float("inf")), axis=2), axis=1)
+    mx = tl.max(tl.max(tl.where(valid, x, float("-inf")), axis=2), axis=1)
+    return mn, mx
+
+
+@triton.jit
+def _magnitude(mn, mx):
+    """bf16 magnitude pattern of a row's largest |entry|."""
+    return (tl.maximum(mx, -mn).to(tl.int32, bitcast=True) >> 16) & 0x7FFF
+
+
+@triton.jit
+def _quantize(bits, valid, lo, hi, LEVELS: tl.constexpr, ASM: tl.constexpr):
+    """Packed code bytes ``[T, NBP]`` and (scale | min << 16) words ``[T]`` of
+    one tier's slots, its row min/max (after clipping) given."""
+    scale = tl.maximum(tl.math.div_rn(hi - lo, LEVELS * 1.0), 1e-8).to(tl.float16)
     lo16 = lo.to(tl.float16)
     s = scale.to(tl.float32)
     r = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
-    pair = ((scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF)
-            | (lo16.to(tl.int16, bitcast=True).to(tl.int32) << 16))
-    # element d = 8 pi + 2 w + e of piece pi = (g PG + p) TPR + h goes to byte
-    # d % (D/4), bits 2 (d // (D/4)), of the row's packed codes
-    NQ: tl.constexpr = D // 32  # pieces per quarter
-    word = _word_in_row(NG, PG, TPR)
-    w_i = word % 4
-    quarter = (word // 4) // NQ
-    # -1 per step passed, so the bit's negative
-    m_lo = -(1 << (8 * ((2 * w_i) % 4) + 2 * quarter))
-    m_hi = m_lo * 256
-    clipped = _clamp_pairs(words, (thr | (thr << 16))[None, None, :, None, None], ASM)
-    xl = (clipped << 16).to(tl.float32, bitcast=True)
-    xh = (clipped & -65536).to(tl.float32, bitcast=True)
-    l5 = lo16.to(tl.float32)[:, None, :, None, None]
-    s5 = -s[:, None, :, None, None]
-    r5 = r[:, None, :, None, None]
-    p5 = (s > 0)[:, None, :, None, None]
-    c = _codes(xl, l5, s5, r5, p5, m_lo, ASM) + _codes(xh, l5, s5, r5, p5, m_hi, ASM)  # [NG, PG, T, TPR, 4]
-    c = tl.sum(tl.reshape(c, (NG, PG, T, TPR, 2, 2)), axis=5)  # words of 4 bytes, one quarter each
-    c = tl.permute(c, (2, 0, 1, 3, 4))  # [T, NG, PG, TPR, 2]
-    c = tl.reshape(c, (T, 4, NQ, 2))  # pieces -> (quarter, piece within the quarter)
-    return tl.reshape(tl.sum(c, axis=1), (T, 2 * NQ)), pair
+    pair = (scale.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo16.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    a = x - lo16.to(tl.float32)[:, None, None]
+    r3 = r[:, None, None]
+    q0 = a * r3
+    rem = tl.fma(q0, -s[:, None, None], a)
+    q = tl.where((s > 0)[:, None, None], tl.fma(rem, r3, q0), q0)
+    if LEVELS == 3:
+        code = -(_ge(q, 0.4999999701976776, ASM) + _ge(q, 1.5, ASM) + _ge(q, 2.5, ASM))
+        shift = 2 * tl.arange(0, 4)
+    else:
+        code = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
+        shift = 4 * tl.arange(0, 2)
+    code = tl.where(valid, code, 0)
+    return tl.sum(code << shift[None, None, :], axis=2), pair
 
 
 @triton.jit
-def _word_in_row(NG: tl.constexpr, PG: tl.constexpr, TPR: tl.constexpr):
-    """Index of each int32 word of ``[NG, PG, T, TPR, 4]`` row slices in its row."""
-    g_i = tl.arange(0, NG)[:, None, None, None, None]
-    p_i = tl.arange(0, PG)[None, :, None, None, None]
-    h_i = tl.arange(0, TPR)[None, None, None, :, None]
-    w_i = tl.arange(0, 4)[None, None, None, None, :]
-    return ((g_i * PG + p_i) * TPR + h_i) * 4 + w_i
+def _clamp(bits, thr):
+    """bf16 bits clamped to [-thr, thr] (``thr [T]`` a magnitude pattern)."""
+    x = (bits << 16).to(tl.float32, bitcast=True)
+    t = (thr << 16).to(tl.float32, bitcast=True)[:, None, None]
+    return (tl.minimum(tl.maximum(x, -t), t).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
 
 
 @triton.jit
-def _minmax(words, NG: tl.constexpr):
-    """Per group (scale region) and row: fp32 min and max of the bf16 pairs."""
-    xl = (words << 16).to(tl.float32, bitcast=True)
-    xh = (words & -65536).to(tl.float32, bitcast=True)
-    mn = tl.min(tl.min(tl.min(tl.minimum(xl, xh), axis=4), axis=1), axis=2)
-    mx = tl.max(tl.max(tl.max(tl.maximum(xl, xh), axis=4), axis=1), axis=2)
-    return mn, mx  # [NG, T]
+def _store_codes(cache_u8, base, off, live, codes, BYTE0: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr,
+                 ROW_BYTES: tl.constexpr, BYTE_MAJOR: tl.constexpr, KB: tl.constexpr):
+    """Code bytes ``[T, NBP]`` into a code region at ``base``: token-major rows
+    of ROW_BYTES (K) or byte-major (V: byte b of token t at b KB + t)."""
+    b = BYTE0 + tl.arange(0, NBP)
+    if BYTE_MAJOR:
+        at = cache_u8 + base[:, None] + b[None, :] * KB + off[:, None]
+    else:
+        at = cache_u8 + base[:, None] + off[:, None] * ROW_BYTES + b[None, :]
+    tl.store(at, codes.to(tl.uint8), mask=live[:, None] & (b < BYTE0 + NB)[None, :])
 
 
 @triton.jit
@@ -203,23 +192,24 @@ def _store_kernel(
     cache_u8,
     n_tokens, k_clip_above, v_clip_above,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    H: tl.constexpr, D: tl.constexpr, G: tl.constexpr, KB: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
+    K4: tl.constexpr, K2: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PARTS: tl.constexpr, DATA: tl.constexpr, STATE: tl.constexpr,
-    T: tl.constexpr, TPR: tl.constexpr, ASM: tl.constexpr, DECODE: tl.constexpr, SLOTS: tl.constexpr,
+    T: tl.constexpr, ASM: tl.constexpr, DECODE: tl.constexpr, SLOTS: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
-    NG: tl.constexpr = D // G
-    D4: tl.constexpr = D // 4
-    PIECES: tl.constexpr = D // (8 * TPR)  # 16-byte pieces of a row per thread
-    PG: tl.constexpr = PIECES // NG
-    BLOCK_BYTES: tl.constexpr = KB * (D // 2 + 8 * NG)
+    KC: tl.constexpr = K4 // 2 + K2 // 4
+    VC: tl.constexpr = V4 // 2 + V2 // 4
+    NK: tl.constexpr = (K4 > 0) + (K2 > 0)
+    NV: tl.constexpr = (V4 > 0) + (V2 > 0)
+    BLOCK_BYTES: tl.constexpr = KB * (KC + VC + 4 * (NK + NV))
 
     if ROTATE:
         # k @ R (R as ROT_PARTS bf16 parts summing to it: fp32-accurate on bf16
         # keys), in slices of RC input dims; rounded to bf16 into k_out, which the
-        # rows below then read back in their own layout
+        # tiers below then read back in their own layout
         RC: tl.constexpr = 32
         rt = pid_t * T + tl.arange(0, T)
         rc = tl.arange(0, RC)
@@ -244,22 +234,6 @@ def _store_kernel(
         skt = stride_kt
         skh = stride_kh
 
-    # rows sliced over TPR threads: thread (t, hh) holds 16-byte pieces hh, hh + TPR, ...
-    F: tl.constexpr = PIECES * T * TPR
-    f = tl.arange(0, F)
-    fp = f // (T * TPR)
-    ft = (f // TPR) % T
-    fh = f % TPR
-    ftok = pid_t * T + ft
-    fok = (ftok < n_tokens)[:, None]
-    wcol = ((fp * TPR + fh) * 4)[:, None] + tl.arange(0, 4)[None, :]  # int32 word in the row
-    kw = tl.load(k_src.to(tl.pointer_type(tl.int32)) + (ftok * (skt // 2) + h * (skh // 2))[:, None] + wcol,
-                 mask=fok, other=0)
-    vw = tl.load(v_ptr.to(tl.pointer_type(tl.int32)) + (ftok * (stride_vt // 2) + h * (stride_vh // 2))[:, None]
-                 + wcol, mask=fok, other=0)
-    kw = tl.reshape(kw, (NG, PG, T, TPR, 4))
-    vw = tl.reshape(vw, (NG, PG, T, TPR, 4))
-
     tok = pid_t * T + tl.arange(0, T)
     tok_ok = tok < n_tokens
     if DECODE:
@@ -274,52 +248,73 @@ def _store_kernel(
     if SLOTS:
         live = live & (tl.load(slot_ptr + tok, mask=tok_ok, other=-1) >= 0)
     row = bt_ptr + req.to(tl.int64) * bt_stride
+    k_rows = k_src.to(tl.pointer_type(tl.int16)) + tok.to(tl.int64) * skt + h * skh
+    v_rows = v_ptr.to(tl.pointer_type(tl.int16)) + tok.to(tl.int64) * stride_vt + h * stride_vh
 
     if DATA:
-        kmn, kmx = _minmax(kw, NG)
-        vmn, vmx = _minmax(vw, NG)
-        mk = (tl.maximum(tl.max(kmx, axis=0), -tl.min(kmn, axis=0)).to(tl.int32, bitcast=True) >> 16) & 0x7FFF
-        mv = (tl.maximum(tl.max(vmx, axis=0), -tl.min(vmn, axis=0)).to(tl.int32, bitcast=True) >> 16) & 0x7FFF
-        tk = mk
-        tv = mv
-        if (k_clip_above >= 0) | (v_clip_above >= 0):
-            # magnitudes of K and V side by side, a guard bit above each (sign bits dropped)
-            pl = (kw & 0xFFFF) | (vw << 16) | -2147450880  # | 0x80008000
-            ph = ((kw >> 16) & 0xFFFF) | (vw & -65536) | -2147450880
-            tk, tv = _clip_thresholds(pl, ph, mk, mv, k_clip_above, v_clip_above, ASM)
-        kc, ksm = _row_quant(kw, kmn, kmx, tk, NG, PG, T, TPR, D, ASM)
-        vc, vsm = _row_quant(vw, vmn, vmx, tv, NG, PG, T, TPR, D, ASM)
-
         blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=live, other=0).to(tl.int64)
         off = pos % KB
         base = (blk * H + h) * BLOCK_BYTES
-        NW: tl.constexpr = D // 16  # code words of a row
-        wi = tl.arange(0, NW)
-        kcode = (cache_u8 + base + off * D4).to(tl.pointer_type(tl.int32))
-        tl.store(kcode[:, None] + wi[None, :], kc, mask=live[:, None])
-        vb = tl.reshape((vc[:, :, None] >> (8 * tl.arange(0, 4))[None, None, :]) & 0xFF, (T, D4)).to(tl.uint8)
-        tl.store(cache_u8 + (base + KB * D4 + off)[:, None] + tl.arange(0, D4)[None, :] * KB, vb,
-                 mask=live[:, None])
-        gi = tl.arange(0, NG)[:, None]
-        sm = (cache_u8 + base + KB * (D // 2) + off * 4 * NG).to(tl.pointer_type(tl.int32))
-        tl.store(sm[None, :] + gi, ksm, mask=live[None, :])
-        tl.store(sm[None, :] + KB * NG + gi, vsm, mask=live[None, :])
+        k_pairs = (cache_u8 + base + KB * (KC + VC) + off * (4 * NK)).to(tl.pointer_type(tl.int32))
+        v_pairs = (cache_u8 + base + KB * (KC + VC + 4 * NK) + off * (4 * NV)).to(tl.pointer_type(tl.int32))
+        if K2 + V2 > 0:
+            # the INT2 tiers of K and V, side by side in one tile for the clip search
+            NB2: tl.constexpr = max(K2, V2) // 4
+            NB2P: tl.constexpr = triton.next_power_of_2(NB2)
+            kb2, kval2 = _load_tier(k_rows, tok_ok, K4, K2 // 4, NB2P, 4)
+            vb2, vval2 = _load_tier(v_rows, tok_ok, V4, V2 // 4, NB2P, 4)
+            kmn, kmx = _minmax(kb2, kval2)
+            vmn, vmx = _minmax(vb2, vval2)
+            tk = _magnitude(kmn, kmx)
+            tv = _magnitude(vmn, vmx)
+            if (k_clip_above >= 0) | (v_clip_above >= 0):
+                m = (kb2 & 0x7FFF) | ((vb2 & 0x7FFF) << 16) | -2147450880  # | 0x80008000: guard bits
+                pl, ph = tl.split(tl.reshape(m, (T, NB2P, 2, 2)))
+                tk, tv = _clip_thresholds(pl, ph, tk, tv, k_clip_above, v_clip_above, ASM)
+            if K2 > 0:
+                tkf = (tk << 16).to(tl.float32, bitcast=True)
+                codes, pair = _quantize(_clamp(kb2, tk), kval2, tl.maximum(kmn, -tkf), tl.minimum(kmx, tkf), 3, ASM)
+                _store_codes(cache_u8, base, off, live, codes, K4 // 2, K2 // 4, NB2P, KC, False, KB)
+                tl.store(k_pairs + (NK - 1), pair, mask=live)
+            if V2 > 0:
+                tvf = (tv << 16).to(tl.float32, bitcast=True)
+                codes, pair = _quantize(_clamp(vb2, tv), vval2, tl.maximum(vmn, -tvf), tl.minimum(vmx, tvf), 3, ASM)
+                _store_codes(cache_u8, base + KB * KC, off, live, codes, V4 // 2, V2 // 4, NB2P, VC, True, KB)
+                tl.store(v_pairs + (NV - 1), pair, mask=live)
+        if K4 > 0:
+            NB4: tl.constexpr = K4 // 2
+            bits, valid = _load_tier(k_rows, tok_ok, 0, NB4, triton.next_power_of_2(NB4), 2)
+            mn, mx = _minmax(bits, valid)
+            codes, pair = _quantize(bits, valid, mn, mx, 15, ASM)
+            _store_codes(cache_u8, base, off, live, codes, 0, NB4, triton.next_power_of_2(NB4), KC, False, KB)
+            tl.store(k_pairs, pair, mask=live)
+        if V4 > 0:
+            NBV4: tl.constexpr = V4 // 2
+            bits, valid = _load_tier(v_rows, tok_ok, 0, NBV4, triton.next_power_of_2(NBV4), 2)
+            mn, mx = _minmax(bits, valid)
+            codes, pair = _quantize(bits, valid, mn, mx, 15, ASM)
+            _store_codes(cache_u8, base + KB * KC, off, live, codes, 0, NBV4, triton.next_power_of_2(NBV4), VC,
+                         True, KB)
+            tl.store(v_pairs, pair, mask=live)
 
     if STATE:  # BF16 rows of the sink and of the last W positions of this chunk
         keep = live & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
         slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
         sblk = tl.load(row + slot // ROWS, mask=keep, other=0).to(tl.int64)
-        sbase = (sblk * H + h) * BLOCK_BYTES + (slot % ROWS) * (4 * D)
-        srow = (cache_u8 + sbase).to(tl.pointer_type(tl.int32))[None, None, :, None, None] + _word_in_row(NG, PG, TPR)
-        k5 = keep[None, None, :, None, None]
-        tl.store(srow, kw, mask=k5)
-        tl.store(srow + D // 2, vw, mask=k5)
+        srow = cache_u8.to(tl.pointer_type(tl.int16)) + ((sblk * H + h) * BLOCK_BYTES + (slot % ROWS) * (4 * D)) // 2
+        d = tl.arange(0, D)
+        tl.store(srow[:, None] + d[None, :], tl.load(k_rows[:, None] + d[None, :], mask=keep[:, None]),
+                 mask=keep[:, None])
+        tl.store(srow[:, None] + D + d[None, :], tl.load(v_rows[:, None] + d[None, :], mask=keep[:, None]),
+                 mask=keep[:, None])
 
 
-def entries_above_clip(ratio: float, d: int) -> int:
-    """How many entries of a row lie above the order statistic that
-    :func:`reference.clip_rows` clamps at (-1: no clip)."""
-    return -1 if ratio >= 1.0 else d - 1 - min(int(ratio * d), d - 1)
+def entries_above_clip(ratio: float, width: int) -> int:
+    """How many entries of a tier of ``width`` lie above the order statistic
+    that :func:`reference.clip_rows` clamps at (-1: no clip)."""
+    if ratio >= 1.0 or width == 0:
+        return -1
+    return width - 1 - min(int(ratio * width), width - 1)
 
 
 def rotation_parts(rotation: torch.Tensor, parts: int = 3) -> torch.Tensor:
@@ -359,10 +354,10 @@ def store_tokens(
     ``seq_end`` (that request's length after this step). Returns the rotated
     keys in bf16 ``[N, H, D]`` (``k`` itself when there is no rotation).
 
-    ``data``/``state`` select the INT2 rows and the BF16 sink/window rows;
-    ``launch``: ``{"num_warps", "tpr"}`` over :func:`default_launch`. A
-    multi-token chunk stores its INT2 rows, attends, then stores its BF16 rows:
-    its early queries still need the ring rows its later tokens overwrite.
+    ``data``/``state`` select the quantized rows and the BF16 sink/window rows;
+    ``launch``: ``{"num_warps", "rows"}`` over :func:`default_launch`. A
+    multi-token chunk stores its quantized rows, attends, then stores its BF16
+    rows: its early queries still need the ring rows its later tokens overwrite.
     """
     return _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, None, block_table,
                    k_clip, v_clip, data, state, launch)
@@ -395,10 +390,17 @@ def store_decode_tokens(
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as bf16 rows the kernel can read as int32 pairs."""
-    if x.dtype == torch.bfloat16 and x.stride(2) == 1 and x.stride(0) % 2 == 0 and x.stride(1) % 2 == 0:
+    """``x`` as bf16 rows with unit element stride."""
+    if x.dtype == torch.bfloat16 and x.stride(2) == 1:
         return x
     return x.to(torch.bfloat16).contiguous()
+
+
+def check_shapes(head_size: int) -> str | None:
+    """Why the Triton kernels cannot take this head size (None if they can)."""
+    if head_size < 32 or head_size & (head_size - 1):
+        return f"the Triton kernels need a power-of-two head size >= 32, got {head_size}"
+    return None
 
 
 def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_mapping, block_table,
@@ -406,17 +408,16 @@ def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_m
     n, h, d = k.shape
     if not kv_cache.is_contiguous():
         raise ValueError("OSCAR pages must be one contiguous [blocks, H, KB, C] tensor per layer")
-    if d % 32 or d & (d - 1) or fmt.groups not in (1, 2):
-        raise ValueError(f"OSCAR's Triton store needs a power-of-two head size >= 32 and group_size head_size "
-                         f"or head_size/2, got {d} and {fmt.group_size}")
+    why = check_shapes(d)
+    if why:
+        raise ValueError(why)
     if k_rotation is not None and (k_rotation.dim() != 4 or k_rotation.dtype != torch.bfloat16):
         raise ValueError("store_tokens takes R_K as rotation_parts(R_K): [parts, H, D, D] bf16")
     if n == 0:
         return k
     decode = positions is None
     lc = {**default_launch(d, decode), **(launch or {})}
-    tpr = lc.pop("tpr")
-    rows = 32 * lc["num_warps"] // tpr
+    rows = lc.pop("rows")
     rotate = k_rotation is not None
     if rotate and (k.dtype != torch.bfloat16 or rows < 16):
         # keys that are not bf16 are rotated in fp32 first, as the reference
@@ -432,12 +433,12 @@ def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_m
         kb, vb, k_rotation if rotate else kb, k_out,
         seq_end if decode else positions, seq_end if decode else request, seq_end,
         seq_end if slot_mapping is None else slot_mapping, block_table, block_table.stride(0),
-        kv_cache, n, entries_above_clip(k_clip, d), entries_above_clip(v_clip, d),
+        kv_cache, n, entries_above_clip(k_clip, fmt.k.int2), entries_above_clip(v_clip, fmt.v.int2),
         kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
-        H=h, D=d, G=fmt.group_size, KB=fmt.block_size,
+        H=h, D=d, KB=fmt.block_size, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks,
         ROWS=fmt.state_rows_per_block, ROTATE=rotate, ROT_PARTS=k_rotation.shape[0] if rotate else 1,
-        DATA=data, STATE=state, T=rows, TPR=tpr, ASM=_compiled(k), DECODE=decode, SLOTS=slot_mapping is not None,
+        DATA=data, STATE=state, T=rows, ASM=_compiled(k), DECODE=decode, SLOTS=slot_mapping is not None,
         **lc,
     )
     return k_out

@@ -42,6 +42,14 @@ from dataclasses import dataclass
 
 WIDTHS = (2, 4, 6, 8)
 PIVOT = 16
+"""The width of an FP16 "pivot" head."""
+PIVOT_BUDGET_BITS = 8
+"""What a pivot head costs a plan's budget (as in the paper)."""
+BUDGETS = (6, 4)
+"""The nominal bits per value a STEPQuant plan allocates for."""
+FITS = ("stepquant", "rowwise")
+"""How a record's scales are refitted every step: the plan's weighted
+dual-axis fit, or one absmax scale per key row (the uniform pool)."""
 INT2_GROUP = 32
 
 

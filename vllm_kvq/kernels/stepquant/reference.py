@@ -29,11 +29,20 @@ from __future__ import annotations
 
 import torch
 
-from vllm_kvq.kernels.stepquant.format import INT2_GROUP, PIVOT, StateLayout
+from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, PIVOT, StateLayout
 
 FP16_MIN = 2.0**-24
 FP16_MAX = 65504.0
-FITS = ("stepquant", "rowwise")
+L2_EPS = 1e-6
+
+
+def normalize_qk(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys as the GDN kernels take them: each row ``x / sqrt(sum
+    x^2 + eps)``, the queries then scaled by ``K^-1/2``."""
+    q, k = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS) for x in (q, k))
+    return q * q.shape[-1] ** -0.5, k
+
+
 
 
 def fp16_round(x: torch.Tensor) -> torch.Tensor:

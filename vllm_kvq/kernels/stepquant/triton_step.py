@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_kvq.kernels.stepquant.format import INT2_GROUP, PIVOT, StateLayout
+from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, PIVOT, StateLayout
 
 
 @triton.jit
@@ -463,8 +463,6 @@ def _fit_kernel(
 
 
 LAUNCH = {"rows_block": 8, "rows_warps": 2, "tile": 32, "fit_warps": 4}  # H200 sweep: within 1% of the best, checked compiled
-LAST_KERNELS: list = []  # (kernel name, width, compiled kernel) of the last step_ call: registers and spills
-FITS = ("stepquant", "rowwise")
 
 
 @dataclass
@@ -578,27 +576,24 @@ def step_(
     rold = torch.empty(n, h, plan.old_row_floats, dtype=torch.float32, device=v.device)
     align = 4 if slot_stride % 4 == 0 else 2
     head = (pool, pool.view(torch.float16), state_indices, state_indices.stride(0), slot_stride, min_slot)
-    LAST_KERNELS.clear()
     for grp in plan.groups:
         tables = (grp.heads, grp.codes, grp.rows, grp.cols)
-        kern = _rows_kernel[(grp.heads.numel(), n)](
+        _rows_kernel[(grp.heads.numel(), n)](
             *head, *tables, plan.impact, q, k, v, g, beta, out, delta, rold,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1],
             BITS=grp.bits, K=kd, V=vd, RB=rb, FAST=fast, ALIGN=align, FIT=not readout_only,
             ROWWISE=plan.rowwise, RG=plan.old_row_floats, num_warps=lc["rows_warps"])
-        LAST_KERNELS.append(("rows", grp.bits, kern))
     if readout_only:
         return out
     for grp in plan.groups:
         tables = (grp.heads, grp.codes, grp.rows, grp.cols)
-        kern = _fit_kernel[(vd // tile, grp.heads.numel(), n)](
+        _fit_kernel[(vd // tile, grp.heads.numel(), n)](
             *head, *tables, plan.impact, k, g, delta, rold,
             k.stride(0), k.stride(1), g.stride(0), g.stride(1), h, h // q.shape[1],
             BITS=grp.bits, K=kd, V=vd, TILE=tile, FAST=fast, ALIGN=align, ROWWISE=plan.rowwise,
             ASM=v.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), RG=plan.old_row_floats,
             num_warps=lc["fit_warps"])
-        LAST_KERNELS.append(("fit", grp.bits, kern))
     return out
 
 

@@ -1,4 +1,4 @@
-"""Artifact schema v1: round trip, and each defect fails with its message."""
+"""The OSCAR artifact: round trip, and each defect fails with its message."""
 
 import json
 
@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from vllm_kvq.artifacts import ArtifactError, OscarArtifact, builtin_artifact, hadamard
+from vllm_kvq.kernels.oscar.format import LayerTiers
 
+D = 32
 FP = {
     "architecture": "Qwen3ForCausalLM", "num_hidden_layers": 2, "hidden_size": 64,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": D, "vocab_size": 100,
     "attention_layers": [0, 1],
 }
 
@@ -20,9 +22,9 @@ def _random_orthogonal(*shape):
 
 
 def _artifact(granularity="kv_head"):
-    shape = (2, 16, 16) if granularity == "kv_head" else (16, 16)
+    shape = (2, D, D) if granularity == "kv_head" else (D, D)
     return OscarArtifact(
-        fingerprint=dict(FP), head_dim=16, num_kv_heads=2, layers=[0, 1], granularity=granularity,
+        fingerprint=dict(FP), head_dim=D, num_kv_heads=2, layers=[0, 1], granularity=granularity,
         k_rotation={i: _random_orthogonal(*shape) for i in (0, 1)},
         v_rotation={i: _random_orthogonal(*shape) for i in (0, 1)},
         k_clip={0: 0.96, 1: 0.9}, v_clip={0: 0.92, 1: 1.0},
@@ -35,7 +37,7 @@ def test_round_trip(tmp_path):
     back = OscarArtifact.load(tmp_path / "a", FP)
     assert back.layers == [0, 1] and back.k_clip == {0: 0.96, 1: 0.9}
     assert torch.equal(back.k_rotation[1], art.k_rotation[1].float())
-    assert back.rotation_for("v", 0, [1]).shape == (1, 16, 16)
+    assert back.rotation_for("v", 0, [1]).shape == (1, D, D)
     assert not list(tmp_path.glob("a/*.pt")) and not list(tmp_path.glob("a/*.bin"))
 
 
@@ -57,8 +59,8 @@ def _save_and_edit(tmp_path, edit_manifest=None, edit_tensors=None):
     tensors = {f"{k}_rotation.{i}": getattr(art, f"{k}_rotation")[i].float().contiguous()
                for k in "kv" for i in art.layers if i in getattr(art, f"{k}_rotation")}
     save_file(tensors, str(d / "tensors.safetensors"))
-    manifest = {"format": "vllm-kvq", "format_version": 1, "kind": "oscar", "model_fingerprint": dict(FP),
-                "head_dim": 16, "num_kv_heads": 2, "layers": [0, 1], "granularity": "kv_head",
+    manifest = {"format": "vllm-kvq", "format_version": 2, "kind": "oscar", "model_fingerprint": dict(FP),
+                "head_dim": D, "num_kv_heads": 2, "layers": [0, 1], "granularity": "kv_head",
                 "k_clip": {"0": 0.96, "1": 0.96}, "v_clip": {"0": 0.92, "1": 0.92}}
     if edit_manifest:
         edit_manifest(manifest)
@@ -70,11 +72,16 @@ def _save_and_edit(tmp_path, edit_manifest=None, edit_tensors=None):
     ("wrong_model", "different model.*num_hidden_layers"),
     ("missing_layer", "missing layers \\[1\\]"),
     ("missing_tensor", "missing tensor 'v_rotation.1'"),
-    ("wrong_shape", "has shape \\(2, 8, 8\\), expected \\(2, 16, 16\\)"),
+    ("wrong_shape", "has shape \\(2, 8, 8\\), expected \\(2, 32, 32\\)"),
     ("not_orthogonal", "not orthogonal"),
     ("nan", "NaN"),
     ("version", "unknown format_version 99"),
     ("clip", "k_clip\\[0\\] = 1.5"),
+    ("kind", "unknown artifact kind 'rotations'"),
+    ("field", "unknown manifest field\\(s\\) \\['extra'\\]"),
+    ("lacks", "manifest lacks \\['granularity'\\]"),
+    ("malformed", "malformed manifest field"),
+    ("group", "groups of 16, which this release no longer serves"),
 ])
 def test_each_defect_is_named(tmp_path, case, match):
     edits = {
@@ -82,10 +89,15 @@ def test_each_defect_is_named(tmp_path, case, match):
         "missing_layer": dict(edit_manifest=lambda m: m.update(layers=[0])),
         "missing_tensor": dict(edit_tensors=lambda a: a.v_rotation.pop(1)),
         "wrong_shape": dict(edit_tensors=lambda a: a.k_rotation.update({0: _random_orthogonal(2, 8, 8)})),
-        "not_orthogonal": dict(edit_tensors=lambda a: a.k_rotation.update({0: torch.randn(2, 16, 16)})),
+        "not_orthogonal": dict(edit_tensors=lambda a: a.k_rotation.update({0: torch.randn(2, D, D)})),
         "nan": dict(edit_tensors=lambda a: a.v_rotation[0].__setitem__((0, 0, 0), float("nan"))),
         "version": dict(edit_manifest=lambda m: m.update(format_version=99)),
         "clip": dict(edit_manifest=lambda m: m["k_clip"].update({"0": 1.5})),
+        "kind": dict(edit_manifest=lambda m: m.update(kind="rotations")),
+        "field": dict(edit_manifest=lambda m: m.update(extra=1)),
+        "lacks": dict(edit_manifest=lambda m: m.pop("granularity")),
+        "malformed": dict(edit_manifest=lambda m: m.update(layers="all")),
+        "group": dict(edit_manifest=lambda m: m.update(group_size=16)),
     }[case]
     d = _save_and_edit(tmp_path, **edits)
     with pytest.raises(ArtifactError, match=match):
@@ -118,26 +130,29 @@ def test_loading_leaves_the_process_safe_to_fork():
     assert done.returncode == 0
 
 
-TIERS16 = {"k": [(8, 4), (8, 2)], "v": [(8, 2), (8, 0)]}
+TIERS = LayerTiers.parse("k=16x4,16x2;v=16x2,16x0")
 
 
 def _tiered(granularity="kv_head"):
     art = _artifact(granularity)
-    art.tiers = {k: list(v) for k, v in TIERS16.items()}
-    art.fill = {"v": {i: torch.full((2, 8), 0.5 + i) for i in (0, 1)}}
+    art.tiers = {i: TIERS for i in (0, 1)}
+    art.fill = {"v": {i: torch.full((2, 16), 0.5 + i) for i in (0, 1)}}
     return art
 
 
 def test_tiered_round_trip(tmp_path):
     art = _tiered()
+    art.tiers = {0: TIERS, 1: LayerTiers.parse("k=32x4;v=16x2,16x0")}  # layers may differ, at equal bytes
     art.save(tmp_path / "t")
     m = json.loads((tmp_path / "t" / "manifest.json").read_text())
-    assert m["tiers"] == {"k": [[8, 4], [8, 2]], "v": [[8, 2], [8, 0]]}
+    assert m["format_version"] == 2
+    assert m["tiers"] == {"0": {"k": [[16, 4], [16, 2]], "v": [[16, 2], [16, 0]]},
+                          "1": {"k": [[32, 4]], "v": [[16, 2], [16, 0]]}}
     back = OscarArtifact.load(tmp_path / "t", FP)
-    assert back.tiers == TIERS16
+    assert back.tiers == art.tiers and back.bytes_per_token == (8 + 4 + 8) + (4 + 4)
     assert back.fill_for("k", 0, [0, 1]) is None
     f = back.fill_for("v", 1, [1])
-    assert f.shape == (1, 8) and f.dtype == torch.float32 and torch.equal(f, torch.full((1, 8), 1.5))
+    assert f.shape == (1, 16) and f.dtype == torch.float32 and torch.equal(f, torch.full((1, 16), 1.5))
     plain = _artifact()
     plain.save(tmp_path / "p")
     assert "tiers" not in json.loads((tmp_path / "p" / "manifest.json").read_text())
@@ -145,14 +160,25 @@ def test_tiered_round_trip(tmp_path):
         "v", 0, [0]) is None
 
 
+def test_version_1_tiers_serve_every_layer(tmp_path):
+    """Version 1 manifests give one plan for all layers."""
+    _tiered().save(tmp_path / "t")
+    m = json.loads((tmp_path / "t" / "manifest.json").read_text())
+    m.update(format_version=1, tiers={"k": [[16, 4], [16, 2]], "v": [[16, 2], [16, 0]]})
+    (tmp_path / "t" / "manifest.json").write_text(json.dumps(m))
+    assert OscarArtifact.load(tmp_path / "t", FP).tiers == {0: TIERS, 1: TIERS}
+
+
 @pytest.mark.parametrize("case,match", [
-    ("missing_fill", "missing tensor 'v_fill.1'.*re-run `vllm-kvq calibrate --tiers"),
-    ("fill_shape", "v_fill.0 has shape \\(2, 4\\), expected \\(2, 8\\)"),
-    ("sum", "v tier widths sum to 24, not head_dim 16"),
-    ("bits", "k tier 8x3 has 3 bits; bits must be one of \\[0, 2, 4\\]"),
-    ("width", "width 12; widths must be positive multiples of 8"),
-    ("kinds", "exactly the kinds 'k' and 'v'"),
-    ("layout", "must be a list of \\[width, bits\\] integer pairs"),
+    ("missing_fill", "missing tensor 'v_fill.1', the mean of layer 1's 0-bit v tier; re-run `vllm-kvq calibrate"),
+    ("fill_shape", "v_fill.0 has shape \\(2, 4\\), expected \\(2, 16\\)"),
+    ("sum", "layer 1 tiers v: tier widths sum to 48, not the head size 32"),
+    ("bits", "tier 16x3 has 3 bits; bits must be 4, 2 or 0"),
+    ("width", "width 8; widths must be positive multiples of 16"),
+    ("kinds", "tiers must be an object with 'k' and 'v'"),
+    ("layout", "a tier is a \\[width, bits\\] pair of integers"),
+    ("order", "strongest first"),
+    ("unequal", "different bytes per token"),
     ("granularity", "tiers need granularity 'kv_head', not 'layer'"),
 ])
 def test_each_tier_defect_is_named(tmp_path, case, match):
@@ -160,17 +186,19 @@ def test_each_tier_defect_is_named(tmp_path, case, match):
     from safetensors.torch import save_file
 
     art = _tiered("layer" if case == "granularity" else "kv_head")
-    tiers = {k: [list(t) for t in v] for k, v in TIERS16.items()}
+    tiers = {str(i): TIERS.to_json() for i in (0, 1)}
     if case == "granularity":
         art.tiers = None  # save() validates; the manifest gets its tiers below
     art.save(tmp_path / "a")
     d = tmp_path / "a"
     edit = {
-        "sum": lambda t: t["v"].append([8, 2]),
-        "bits": lambda t: t["k"].__setitem__(0, [8, 3]),
-        "width": lambda t: t.update(k=[[12, 4], [4, 2]]),
-        "kinds": lambda t: t.pop("v"),
-        "layout": lambda t: t.update(k=[[8, 4, 1]]),
+        "sum": lambda t: t["1"].update(v=[[32, 2], [16, 0]]),
+        "bits": lambda t: t["0"]["k"].__setitem__(0, [16, 3]),
+        "width": lambda t: t["0"].update(k=[[8, 4], [24, 2]]),
+        "kinds": lambda t: t["0"].pop("v"),
+        "layout": lambda t: t["0"].update(k=[[16, 4, 1]]),
+        "order": lambda t: t["0"].update(k=[[16, 2], [16, 4]]),
+        "unequal": lambda t: t["1"].update(k=[[32, 2]]),
     }.get(case)
     if edit:
         edit(tiers)
@@ -185,7 +213,7 @@ def test_each_tier_defect_is_named(tmp_path, case, match):
         elif case == "fill_shape":
             tensors["v_fill.0"] = torch.zeros(2, 4)
         else:
-            tensors.update({f"v_fill.{i}": torch.zeros(2, 8) for i in (0, 1)})
+            tensors.update({f"v_fill.{i}": torch.zeros(2, 16) for i in (0, 1)})
         save_file(tensors, str(d / "tensors.safetensors"))
     with pytest.raises(ArtifactError, match=match):
         OscarArtifact.load(d, FP)

@@ -10,13 +10,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from vllm_kvq.backends.schemes import SCHEMES
+from vllm_kvq.kernels.stepquant.format import BUDGETS
+
 CONFIG_KEY = "kvq"
 ROTATION_MODES = ("artifact", "none", "hadamard")
 KERNELS = ("auto", "reference", "triton")
 STATE_POOLS = ("stepquant", "uniform")
-STEPQUANT_BITS = (6, 4)
 UNIFORM_BITS = (4, 6, 8, 16)
-SCHEMES = ("oscar", "kivi", "tiered")
+RETIRED = {
+    "group_size": "each stored tier of a row is one quantization group; choose the tiers when calibrating "
+                  "(`vllm-kvq calibrate --bytes-per-token N` or `--tiers ...`)",
+}
 
 
 class SettingsError(ValueError):
@@ -28,28 +33,29 @@ class OscarSettings:
     """Every key of ``additional_config["kvq"]`` (see docs/configuration.md)."""
 
     artifact: str | None = None
-    """Directory of a calibrated artifact (schema v1). Required for rotation
-    ``artifact``; with ``none``/``hadamard`` it may still supply clip ratios."""
+    """Directory of a calibrated artifact. Required for rotation ``artifact``;
+    with ``none``/``hadamard`` it may still supply clip ratios, sink and window."""
 
     rotation: str | None = None
     """``artifact`` (the calibrated R_K/R_V), ``none`` (identity: naive INT2) or
     ``hadamard`` (data-free Sylvester Hadamard). Default: ``artifact`` when an
     artifact is given, else ``hadamard``."""
 
-    group_size: int = 128
-    """Elements sharing one fp16 (scale, min) pair; 128 or 64 for D=128."""
+    sink: int | None = None
+    """First tokens of every sequence kept in BF16. Default: the artifact's, else 64."""
 
-    sink: int = 64
-    """First tokens of every sequence kept in BF16."""
-
-    window: int = 256
-    """Most recent tokens of every sequence kept in BF16."""
+    window: int | None = None
+    """Most recent tokens of every sequence kept in BF16. Default: the artifact's, else 256."""
 
     k_clip: float | None = None
-    """Per-token clip ratio for keys (1.0 = off). Default: the artifact's, else 1.0."""
+    """Per-token clip ratio of the keys' INT2 tier (1.0 = off). Default: the artifact's, else 1.0."""
 
     v_clip: float | None = None
-    """Per-token clip ratio for values. Default: the artifact's, else 1.0."""
+    """Per-token clip ratio of the values' INT2 tier. Default: the artifact's, else 1.0."""
+
+    override_artifact: bool = False
+    """Serve with a sink, window or clip ratio other than the artifact was
+    calibrated with (otherwise such a setting fails at start)."""
 
     kernels: str = "auto"
     """``auto``: Triton on CUDA, the PyTorch reference elsewhere. ``reference``:
@@ -59,11 +65,9 @@ class OscarSettings:
     this is ``reference`` (staged through vLLM's own ops, as prefill always is)."""
 
     scheme: str = "oscar"
-    """``oscar``: rows quantized per token (keys after rotation). ``kivi``: keys
-    unrotated and quantized per channel over ``key_group`` positions, values per
-    token (rotated only if a rotation is asked for); PyTorch reference ops only.
-    ``tiered``: each rotated row cut into tiers of directions at 4, 2 or 0 bits,
-    as the artifact says (``vllm-kvq calibrate --tiers``); reference ops only."""
+    """The cache scheme (:mod:`vllm_kvq.backends.schemes`): ``oscar`` (rows
+    stored in the artifact's tiers; INT2 everywhere without tiers) or
+    ``kivi`` (a reference point: keys per channel, PyTorch reference ops only)."""
 
     key_group: int = 32
     """``kivi`` only: positions sharing one per-channel key (scale, min) pair."""
@@ -91,17 +95,19 @@ class OscarSettings:
             return self.rotation
         if self.artifact:
             return "artifact"
-        return "none" if self.scheme == "kivi" else "hadamard"
+        return "hadamard" if SCHEMES[self.scheme].rotates_keys else "none"
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "OscarSettings":
         raw = dict(raw or {})
+        for key, why in RETIRED.items():
+            if key in raw:
+                raise SettingsError(f"kvq.{key} is no longer a setting: {why}; drop it")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise SettingsError(
-                f"unknown key(s) {unknown} in additional_config['{CONFIG_KEY}']; "
-                f"valid keys are {sorted(known)}"
+                f"unknown key(s) {unknown} in additional_config['{CONFIG_KEY}']; valid keys are {sorted(known)}"
             )
         s = cls(**raw)
         s.validate()
@@ -109,40 +115,37 @@ class OscarSettings:
 
     def validate(self) -> None:
         if self.rotation is not None and self.rotation not in ROTATION_MODES:
-            raise SettingsError(
-                f"kvq.rotation must be one of {ROTATION_MODES}, got {self.rotation!r}"
-            )
+            raise SettingsError(f"kvq.rotation must be one of {ROTATION_MODES}, got {self.rotation!r}")
         if self.scheme not in SCHEMES:
-            raise SettingsError(f"kvq.scheme must be one of {SCHEMES}, got {self.scheme!r}")
-        if self.scheme == "kivi":
-            self._validate_kivi()
+            raise SettingsError(f"kvq.scheme must be one of {sorted(SCHEMES)}, got {self.scheme!r}"
+                                + (": a tiered artifact is served by the default scheme 'oscar'; drop kvq.scheme"
+                                   if self.scheme == "tiered" else ""))
+        scheme = SCHEMES[self.scheme]
+        for f in dataclasses.fields(self):
+            if f.name in scheme.foreign_keys and getattr(self, f.name) != f.default:
+                raise SettingsError(f"kvq.{f.name} does not apply to scheme {self.scheme!r}; drop it"
+                                    + (f" or set kvq.scheme {scheme.keys_of(f.name)!r}" if scheme.keys_of(f.name)
+                                       else ""))
+        scheme.check_settings(self, SettingsError)
         if self.kernels not in KERNELS:
             raise SettingsError(f"kvq.kernels must be one of {KERNELS}, got {self.kernels!r}")
-        if self.scheme == "tiered" and (self.rotation_mode != "artifact" or self.group_size != 128):
-            raise SettingsError(
-                "kvq.scheme 'tiered' takes its tiers and rotations from kvq.artifact (made with "
-                "`vllm-kvq calibrate --tiers ...`): drop kvq.rotation and kvq.group_size"
-            )
         if self.rotation_mode == "artifact" and not self.artifact:
             raise SettingsError(
                 "kvq.rotation='artifact' needs kvq.artifact=<dir> "
                 "(make one with `vllm-kvq calibrate`), or use rotation 'hadamard'/'none'"
             )
-        if self.scheme != "kivi" and (self.key_group != 32 or self.key_pairs != "fp16"):
-            raise SettingsError(
-                "kvq.key_group and kvq.key_pairs apply to scheme 'kivi' only; drop them or set kvq.scheme 'kivi'"
-            )
-        for name in ("group_size", "sink", "window"):
+        for name in ("sink", "window"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise SettingsError(f"kvq.{name} must be a non-negative int, got {value!r}")
-        if self.group_size == 0:
-            raise SettingsError("kvq.group_size must be positive")
-        self._validate_state()
         for name in ("k_clip", "v_clip"):
             value = getattr(self, name)
-            if value is not None and not (0.0 < float(value) <= 1.0):
-                raise SettingsError(f"kvq.{name} must be in (0, 1], got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0.0 < float(value) <= 1.0):
+                raise SettingsError(f"kvq.{name} must be a number in (0, 1], got {value!r}")
+        if not isinstance(self.override_artifact, bool):
+            raise SettingsError(f"kvq.override_artifact must be true or false, got {self.override_artifact!r}")
+        self._validate_state()
 
     def _validate_state(self) -> None:
         if self.state is None:
@@ -151,25 +154,13 @@ class OscarSettings:
             return
         if self.state not in STATE_POOLS:
             raise SettingsError(f"kvq.state must be one of {STATE_POOLS} (or absent), got {self.state!r}")
-        allowed = STEPQUANT_BITS if self.state == "stepquant" else UNIFORM_BITS
+        allowed = BUDGETS if self.state == "stepquant" else UNIFORM_BITS
         if self.state_bits not in allowed:
             raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got {self.state_bits!r}")
         if self.state == "stepquant" and not self.state_artifact:
             raise SettingsError(
                 "kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with "
                 "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'"
-            )
-
-
-    def _validate_kivi(self) -> None:
-        if not isinstance(self.key_group, int) or isinstance(self.key_group, bool) or self.key_group < 1:
-            raise SettingsError(f"kvq.key_group must be a positive int, got {self.key_group!r}")
-        if self.key_pairs not in ("fp16", "int8"):
-            raise SettingsError(f"kvq.key_pairs must be 'fp16' or 'int8', got {self.key_pairs!r}")
-        if self.k_clip not in (None, 1.0):
-            raise SettingsError(
-                "kvq.scheme 'kivi' quantizes keys per channel, so per-token key clipping does not "
-                "apply: drop kvq.k_clip"
             )
 
 

@@ -1,0 +1,247 @@
+"""The gated-delta-net seam: vLLM's GDN layers, their CPU step and the model
+classes vLLM sizes hybrid pages from, made to keep every request's recurrent
+state as a packed record (``kvq.state``; the pool itself is
+:mod:`vllm_kvq.backends.state_pool`).
+
+vLLM 0.32 symbols this relies on:
+
+* ``vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn.QwenGatedDeltaNetAttention``:
+  ``__init__``, ``get_state_shape``, ``get_state_dtype``, ``_forward_core(mixed_qkv, b, a, out)``,
+  attributes ``kv_cache`` (conv, recurrent), ``prefix``, ``layer_idx``, ``tp_size``, ``model_config``,
+  ``conv1d``, ``activation``, ``A_log``, ``dt_bias``, ``num_k_heads``;
+* ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._cpu_gdn_attention_nonspec``;
+* ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLMBase``, ``Qwen3_5ForConditionalGeneration``:
+  ``get_mamba_state_shape_from_config``, ``get_mamba_state_dtype_from_config``;
+* the GDN metadata fields ``num_decodes``, ``num_prefills``, ``num_actual_tokens``,
+  ``non_spec_state_indices_tensor``, ``prefill_state_indices``, ``has_initial_state``,
+  ``spec_sequence_masks``; ``vllm.forward_context.get_forward_context``;
+  ``vllm.model_executor.layers.mamba.ops.causal_conv1d.causal_conv1d_update`` and
+  ``mamba_utils.is_conv_state_dim_first``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+
+import torch
+
+from vllm_kvq.backends.state_pool import decode_plan, decode_states, encode_states, layer_pool, packed_decode
+from vllm_kvq.hooks.post_import import after_import
+
+GDN_LAYER_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
+GDN_CPU_MODULE = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
+GDN_MODEL_CLASSES = {
+    "vllm.model_executor.models.qwen3_next": ("Qwen3NextForCausalLM",),
+    "vllm.model_executor.models.qwen3_5": ("Qwen3_5ForCausalLMBase", "Qwen3_5ForConditionalGeneration"),
+}
+
+
+def install() -> None:
+    """Patch the GDN modules when vLLM imports them (importing them here would
+    cost every process seconds, hybrid model or not)."""
+    after_import(GDN_LAYER_MODULE, _patch_gdn_layer)
+    after_import(GDN_CPU_MODULE, _patch_gdn_cpu_step)
+    for module, names in GDN_MODEL_CLASSES.items():
+        after_import(module, functools.partial(_patch_gdn_model_classes, names=names))
+
+
+def _patch_gdn_layer(module) -> None:
+    cls = module.QwenGatedDeltaNetAttention
+    orig_init, orig_shape, orig_dtype = cls.__init__, cls.get_state_shape, cls.get_state_dtype
+
+    @functools.wraps(orig_init)
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        layer_pool(self)
+
+    @functools.wraps(orig_shape)
+    def get_state_shape(self):
+        shapes = orig_shape(self)
+        pool = layer_pool(self)
+        return shapes if pool is None else (shapes[0], (pool.layout.size,))
+
+    @functools.wraps(orig_dtype)
+    def get_state_dtype(self):
+        dtypes = orig_dtype(self)
+        return dtypes if layer_pool(self) is None else (dtypes[0], torch.uint8)
+
+    cls.__init__, cls.get_state_shape, cls.get_state_dtype = __init__, get_state_shape, get_state_dtype
+    cls._kvq_native_dtypes = orig_dtype
+    cls._forward_core = staged_forward_core(cls._forward_core)
+
+
+def _patch_gdn_cpu_step(module) -> None:
+    module._cpu_gdn_attention_nonspec = staged(module._cpu_gdn_attention_nonspec)
+
+
+def _patch_gdn_model_classes(module, names) -> None:
+    """vLLM sizes hybrid pages from these class methods, before any layer exists."""
+    from vllm_kvq.backends import settings as kvq_settings
+    from vllm_kvq.backends.resolve import pool_plan
+
+    def plan_of(vllm_config):
+        s = kvq_settings.from_vllm_config(vllm_config)
+        return pool_plan(s, vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+
+    for name in names:
+        cls = getattr(module, name, None)
+        if cls is None or "get_mamba_state_shape_from_config" not in cls.__dict__:
+            continue
+        orig_shape = cls.get_mamba_state_shape_from_config.__func__
+        orig_dtype = cls.get_mamba_state_dtype_from_config.__func__
+
+        def shape(klass, vllm_config, _orig=orig_shape):
+            shapes = _orig(klass, vllm_config)
+            plan = plan_of(vllm_config)
+            return shapes if plan is None else (shapes[0], (plan.record_bytes,))
+
+        def dtype(klass, vllm_config, _orig=orig_dtype):
+            dtypes = _orig(klass, vllm_config)
+            return dtypes if plan_of(vllm_config) is None else (dtypes[0], torch.uint8)
+
+        cls.get_mamba_state_shape_from_config = classmethod(functools.wraps(orig_shape)(shape))
+        cls.get_mamba_state_dtype_from_config = classmethod(functools.wraps(orig_dtype)(dtype))
+
+
+
+
+class _StagedLayer:
+    """The GDN layer as vLLM's kernels see it, with staged states: attributes
+    come from the layer, methods run on this view (so ``self.kv_cache`` inside
+    them is the scratch)."""
+
+    def __init__(self, layer, kv_cache):
+        self.__dict__["_layer"] = layer
+        self.__dict__["kv_cache"] = kv_cache
+
+    def __getattr__(self, name):
+        layer = self.__dict__["_layer"]
+        for klass in type(layer).__mro__:
+            if name in klass.__dict__:
+                attr = klass.__dict__[name]
+                if isinstance(attr, types.FunctionType):
+                    return types.MethodType(attr, self)
+                break
+        return getattr(layer, name)
+
+
+def _stage(layer, md, pool):
+    """Decode the active slots' records (and copy their conv states) into a
+    scratch indexed 1..n; returns the staged layer, the metadata that points
+    at the scratch, and the function that packs the new states back."""
+    n = md.num_decodes + md.num_prefills
+    slots = md.non_spec_state_indices_tensor[:n].to(torch.long)
+    conv, records = layer.kv_cache
+    k, v = pool.layout.k_dim, pool.layout.v_dim
+    heads = len(pool.layout.bits)
+    states = torch.empty(n + 1, heads, k, v, dtype=pool.native_dtype, device=records.device)
+    live = slots > 0  # slot 0 is vLLM's null block (padding)
+    fresh = torch.zeros_like(live)
+    if md.num_prefills:
+        fresh[md.num_decodes:] = ~md.has_initial_state[md.num_decodes:n].to(torch.bool)
+    read = live & ~fresh
+    # On CPU (where asking costs no device sync) whole batches skip the masked copies
+    cpu = records.device.type == "cpu"
+    all_live = cpu and bool(live.all())
+    if cpu and states.dtype == torch.float32 and bool(read.all()):  # decode batches: straight into the scratch
+        states[0].zero_()
+        decode_states(records[slots], pool, out=states[1:])
+    else:
+        states.zero_()
+        if bool(read.any()):
+            states[1:][read] = decode_states(records[slots[read]], pool).to(pool.native_dtype)
+    conv_scratch = torch.zeros((n + 1, *conv.shape[1:]), dtype=conv.dtype, device=conv.device)
+    conv_scratch[1:][live] = conv[slots[live]]
+    local = torch.arange(1, n + 1, dtype=md.non_spec_state_indices_tensor.dtype, device=slots.device)
+    changes = {"non_spec_state_indices_tensor": local}
+    if getattr(md, "prefill_state_indices", None) is not None:
+        changes["prefill_state_indices"] = local[md.num_decodes:n].to(md.prefill_state_indices.dtype)
+    # The CPU kernels view the state bytes as [HV, K, V] (key rows): the
+    # scratch is laid out that way and declared as vLLM's [HV, V, K]. The CUDA
+    # kernels read [HV, V, K] as it is: the scratch is transposed for them.
+    if cpu:
+        scratch = states.view(n + 1, heads, v, k)
+    else:
+        scratch = states.transpose(-1, -2).contiguous()
+    proxy = _StagedLayer(layer, (conv_scratch, scratch))
+
+    def finish():
+        new = scratch.view(n + 1, heads, k, v) if cpu else scratch.transpose(-1, -2)
+        conv[slots[live]] = conv_scratch[1:][live]
+        records[slots[live]] = encode_states(new[1:] if all_live else new[1:][live], pool)
+
+    return proxy, dataclasses.replace(md, **changes), finish
+
+
+def staged(run_native):
+    """Wrap vLLM's CPU GDN step ``run_native(layer, metadata, mixed_qkv, b,
+    a, out)`` so that it reads and writes packed records."""
+
+    @functools.wraps(run_native)
+    def run(layer, md, mixed_qkv, b, a, core_attn_out):
+        pool = layer_pool(layer)
+        if pool is None:
+            return run_native(layer, md, mixed_qkv, b, a, core_attn_out)
+        proxy, staged_md, finish = _stage(layer, md, pool)
+        run_native(proxy, staged_md, mixed_qkv, b, a, core_attn_out)
+        finish()
+
+    return run
+
+
+def _is_decode_batch(md) -> bool:
+    return md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
+
+
+def fused_decode(layer, md, plan, mixed_qkv, b, a, core_attn_out) -> None:
+    """vLLM's non-speculative decode branch with the packed step: the conv
+    update on the native conv state, as vLLM runs it, then :func:`packed_decode`
+    on the layer's records."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
+
+    n = md.num_actual_tokens
+    conv, records = layer.kv_cache
+    slots = md.non_spec_state_indices_tensor[:n]
+    weight = layer.conv1d.weight
+    qkv = causal_conv1d_update(
+        mixed_qkv[:n], conv if is_conv_state_dim_first() else conv.transpose(-1, -2),
+        weight.view(weight.size(0), weight.size(2)), layer.conv1d.bias, layer.activation,
+        conv_state_indices=slots, validate_data=False)
+    packed_decode(records, slots, plan, qkv, a[:n], b[:n], layer.A_log, layer.dt_bias,
+                  layer.num_k_heads // layer.tp_size, core_attn_out[:n])
+
+
+def staged_forward_core(forward_core):
+    """The CUDA path, ``layer._forward_core(mixed_qkv, b, a, out)``, which
+    finds its metadata in vLLM's forward context: decode batches go through
+    the Triton step on the records in place, other batches are staged."""
+
+    @functools.wraps(forward_core)
+    def run(self, mixed_qkv, b, a, core_attn_out):
+        pool = layer_pool(self)
+        table = None
+        if pool is not None:
+            from vllm.forward_context import get_forward_context
+
+            table = get_forward_context().attn_metadata
+        md = table.get(self.prefix) if isinstance(table, dict) else None
+        if md is None:
+            return forward_core(self, mixed_qkv, b, a, core_attn_out)
+        if _is_decode_batch(md):
+            plan = decode_plan(pool, self.kv_cache[1].device)
+            if plan is not None:
+                return fused_decode(self, md, plan, mixed_qkv, b, a, core_attn_out)
+        proxy, staged_md, finish = _stage(self, md, pool)
+        table[self.prefix] = staged_md
+        try:
+            forward_core(proxy, mixed_qkv, b, a, core_attn_out)
+        finally:
+            table[self.prefix] = md
+        finish()
+
+    return run
+
+
