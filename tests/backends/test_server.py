@@ -5,7 +5,8 @@ message for each bad request, and greedy text equal to offline vLLM.
 One server per module (fp32, the calibrated INT2 artifact). The
 references come from offline engines with the same settings: CPU_ATTN where
 the BF16 sink and window cover the whole sequence (nothing is read as INT2),
-OSCAR itself for prompts long enough to read INT2 rows.
+OSCAR itself for prompts long enough to read INT2 rows. Also the KV budget
+``serve`` picks on CPU when the user gives none (no engine needed).
 """
 
 import http.client
@@ -21,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import REPO, make_llm, model_path, needles, shutdown
-
-pytestmark = pytest.mark.slow
 
 MAX_LEN = 2048
 KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar")}
@@ -47,6 +46,60 @@ def _long_prompts() -> list[str]:
     rows = [r["prompt"] for r in needles(min_tokens=700, max_tokens=1000) if 0.1 < r["depth"] < 0.4][:2]
     assert len(rows) == 2
     return rows
+
+
+GIB = 1 << 30
+
+
+@pytest.mark.parametrize("free, budget", [(10 * GIB + 12345, 10 * GIB // 4), (40 * GIB, 4 * GIB),
+                                          (3 * GIB + 7 * (1 << 20) + 99, (3 * GIB + 4 * (1 << 20)) // 4)])
+def test_serve_sizes_kv_cache_from_free_memory(monkeypatch, free, budget):
+    """Without a user budget on CPU, ``serve`` adds a quarter of the free
+    memory (whole MiB, at most 4 GiB) and says so in one log line."""
+    import logging
+
+    import psutil
+
+    from vllm_kvq import cli
+
+    class Lines(logging.Handler):
+        def __init__(self, level):
+            super().__init__(level)
+            self.lines = []
+
+        def emit(self, record):
+            self.lines.append(record.getMessage())
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: type("Mem", (), {"available": free})())
+    argv = ["examples/models/house-qwen3", "--attention-backend", "OSCAR"]
+    cli._memory_flags_given(argv)  # vLLM's logging set-up, run by the first parse, clears child loggers' handlers
+    handler = Lines(logging.INFO)
+    logger = logging.getLogger("vllm." + cli.__name__)  # vLLM's loggers do not propagate to pytest's
+    logger.addHandler(handler)
+    try:
+        assert cli._cpu_kv_budget(argv) == [*argv, "--kv-cache-memory-bytes", str(budget)]
+    finally:
+        logger.removeHandler(handler)
+    lines = [line for line in handler.lines if "--kv-cache-memory-bytes" in line]
+    assert len(lines) == 1 and f"{budget / GIB:.2f} GiB" in lines[0] and "pass either flag" in lines[0]
+
+
+@pytest.mark.parametrize("flags", [["--kv-cache-memory-bytes", "1G"], ["--kv-cache-memory-bytes=536870912"],
+                                   ["--gpu-memory-utilization", "0.5"], ["--gpu-memory-utilization=0.92"],
+                                   "config", "env"])
+def test_serve_keeps_the_users_kv_budget(monkeypatch, tmp_path, flags):
+    from vllm_kvq import cli
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    if flags == "config":
+        (tmp_path / "serve.yaml").write_text("gpu-memory-utilization: 0.5\n")
+        flags = ["--config", str(tmp_path / "serve.yaml")]
+    elif flags == "env":
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+        flags = []
+    argv = ["examples/models/house-qwen3", "--max-model-len", "2048", *flags]
+    assert cli._cpu_kv_budget(argv) == argv
 
 
 @pytest.fixture(scope="module")
@@ -148,6 +201,7 @@ def _metric(port: int, name: str) -> float:
     return sum(float(x.split()[-1]) for x in lines if x.startswith(name + "{") or x.startswith(name + " "))
 
 
+@pytest.mark.slow
 def test_concurrent_clients_disconnects_and_bad_requests(server, references):
     proc, port, log_path = server
     short, long = _short_prompts(), _long_prompts()
@@ -183,6 +237,7 @@ def test_concurrent_clients_disconnects_and_bad_requests(server, references):
     assert "Traceback" not in log and " 500 " not in log
 
 
+@pytest.mark.slow
 def test_greedy_text_after_load_equals_offline(server, references):
     """Alone after the load: a short prompt against CPU_ATTN, a long one
     against offline OSCAR."""
