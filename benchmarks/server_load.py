@@ -148,7 +148,7 @@ def post(port: int, body: dict | bytes, hang_up_after: int | None = None) -> dic
     t0 = time.time()
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
     stream = isinstance(body, dict) and body.get("stream", False)
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1800)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=7200)  # a plain request waits out its round
     try:
         conn.request("POST", "/v1/completions", raw, {"Content-Type": "application/json"})
         resp = conn.getresponse()
