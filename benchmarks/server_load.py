@@ -371,9 +371,10 @@ def markdown(result: dict) -> list[str]:
         f"* Server errors (5xx, dropped connections, tracebacks in the log): "
         f"{result['server_errors'] + result['tracebacks_in_server_log']}; the server was "
         f"{'alive' if result['server_alive_after_load'] else 'DEAD'} after the load.",
-        f"* Abandoned streams were {'aborted' if aborted else 'NOT aborted'}: each round generated at most "
-        f"{max(r['generated_tokens'] for r in result['rounds']):,} tokens, not the "
-        f"{load['hang_up_max_tokens']:,} each abandoned stream asked for.",
+        f"* Abandoned streams were {'aborted' if aborted else 'NOT aborted'}: a round generated at most "
+        f"{max(r['generated_tokens'] for r in result['rounds']):,} tokens in all, for "
+        f"{result['rounds'][0]['completed']} completed requests of up to {load['completed_max_tokens']} tokens and "
+        f"{result['rounds'][0]['hung_up']} abandoned streams that asked for {load['hang_up_max_tokens']:,} each.",
         f"* RSS of the server's processes (API server, engine core, worker): "
         f"{result['rss_bytes_before_load'] / mib:,.0f} MiB before the load; round {n - 1} to {n} "
         f"{growth:+.1%} (target under 5%: {'met' if met['rss_growth_under_5pct'] else 'MISSED'}).",
@@ -381,7 +382,7 @@ def markdown(result: dict) -> list[str]:
         f"load {'equals' if probe['equal_after'] else 'DIFFERS FROM'} offline `LLM.generate` with the same settings "
         f"(before the load: {'equal' if probe['equal_before'] else 'DIFFERENT'}).",
         "* Answers to the bad requests: " + "; ".join(
-            f"{k}: {answers[k]['status']} \"{answers[k]['message'][:100]}\"" for k in load["bad_kinds"] if k in answers)
+            f"{k}: {answers[k]['status']} \"{' '.join(answers[k]['message'].split())[:100]}\"" for k in load["bad_kinds"] if k in answers)
         + ".",
     ]
     return lines
