@@ -9,7 +9,7 @@ specialisations a real launch gets (16-byte aligned pointers and strides);
 the report gives registers, spill bytes, the static SASS count, and the
 instructions of each loop body (one trip).
 
-    python -m benchmarks.kernel_sass [--kernels rows fit decode store] [--bits 6 4] [--json PATH]
+    python -m benchmarks.kernel_sass [--kernels foreground writeback decode store] [--bits 6 4] [--json PATH]
 
 The counts depend on the Triton version: the test extra pins the GPU
 machine's (3.6).
@@ -32,8 +32,7 @@ from triton.compiler import ASTSource
 
 from vllm_kvq.kernels.oscar import triton_decode, triton_store
 from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat
-from vllm_kvq.kernels.stepquant import triton_step
-from vllm_kvq.kernels.stepquant.format import StateLayout
+from vllm_kvq.kernels.stepquant import triton_foreground, triton_step, triton_writeback
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
@@ -41,8 +40,8 @@ SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 POINTERS = {
     "pool": "*u8", "pool16": "*fp16", "idx_ptr": "*i32", "heads_ptr": "*i32", "codes_ptr": "*i32",
     "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
-    "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
-    "rold_ptr": "*fp32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
+    "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
+    "part_ptr": "*fp32", "keys_ptr": "*fp32", "decay_ptr": "*fp32", "slots_ptr": "*i32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
     "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*bf16", "k_out_ptr": "*bf16",
     "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32", "kfill": "*fp32", "vfill": "*fp32",
 }
@@ -89,13 +88,14 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     lc = triton_step.LAUNCH
     jobs = []
     for b in bits:
-        rg = triton_step.old_row_floats(StateLayout((b,), 128, 128))  # a layer of this width alone
-        jobs.append((f"stepquant rows, {b}-bit", triton_step._rows_kernel, dict(BITS=b, K=128, V=128, RB=lc["rows_block"], FAST=True, ALIGN=4,
-                                                    FIT=True, ROWWISE=False, RG=rg), lc["rows_warps"],
-                     4 * lc["rows_block"] * 32 // (32 * lc["rows_warps"])))
-        jobs.append((f"stepquant fit, {b}-bit", triton_step._fit_kernel,
-                     dict(BITS=b, K=128, V=128, TILE=lc["tile"], FAST=True, ALIGN=4, ROWWISE=False, ASM=True, RG=rg),
-                     lc["fit_warps"], lc["tile"] * 128 // (32 * lc["fit_warps"])))
+        common = dict(BITS=b, K=128, V=128, PART=32 if b == 2 else triton_step.fg_span(), FAST=True, ALIGN=4,
+                      ROWWISE=False)
+        jobs.append((f"stepquant foreground, {b}-bit", triton_foreground.foreground_kernel,
+                     dict(common, TILE=lc["fg_tile"], TILES=lc["fg_tiles"], ASM=True, RAW=True),
+                     lc["fg_warps"], lc["fg_tile"] * 128 // (32 * lc["fg_warps"])))
+        jobs.append((f"stepquant writeback, {b}-bit", triton_writeback.writeback_kernel,
+                     dict(common, TILE=lc["wb_tile"], ASM=True), lc["wb_warps"],
+                     lc["wb_tile"] * 128 // (32 * lc["wb_warps"])))
     return jobs
 
 
@@ -143,8 +143,8 @@ def store_jobs() -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", nargs="*", default=["rows", "fit", "decode", "store"],
-                    choices=["rows", "fit", "decode", "store"])
+    ap.add_argument("--kernels", nargs="*", default=["foreground", "writeback", "decode", "store"],
+                    choices=["foreground", "writeback", "decode", "store"])
     ap.add_argument("--bits", nargs="*", type=int, default=[6, 4])
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -159,7 +159,7 @@ def main() -> None:
         r = compile_kernel(fn, const, warps, const.get("NSTAGE", 3))
         r["num_warps"], r["elements_per_thread"] = warps, per_thread
         report["kernels"][name] = r
-        if r["loops"]:  # per trip: one row block (rows kernel: pass 1, then pass 2), one TILE slice (decode)
+        if r["loops"]:  # per trip: one column tile (writeback), one TILE slice (decode)
             work = "; ".join(f"loop of {lp['instructions']} ({lp['instructions'] / per_thread:.1f} an element)"
                              for lp in r["loops"])
             if name.startswith("oscar store"):  # straight-line code plus 6 more clip rounds

@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.serving_job import GRAPHS, run_child, run_job
+from evalkit.data import REPO
 from evalkit.markdown import table
 
 QWEN3_4B = {
@@ -35,7 +36,31 @@ QWEN3_4B = {
     "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "torch_dtype": "bfloat16", "hidden_act": "silu",
     "attention_bias": False, "bos_token_id": 151643, "eos_token_id": 151645,
 }
-BACKENDS = {"bf16": ("TRITON_ATTN", None), "oscar": ("OSCAR", {"rotation": "hadamard"})}
+BACKENDS = {"bf16": ("TRITON_ATTN", None), "oscar": ("OSCAR", {"rotation": "hadamard"}), "tiered": ("OSCAR", None)}
+PLANS = REPO / "examples" / "artifacts" / "house-qwen3-auto80"
+"""Where the ``tiered`` run takes its per-layer tier lists: the 80-byte plans
+calibration chose for house-qwen3, repeated over the 36 layers."""
+
+
+def tiered_artifact(model: Path) -> str:
+    """An artifact for the random-weight model: Hadamard rotations, zero fills
+    and the calibrated 80-byte plans of :data:`PLANS`, one per layer in turn
+    (every layer launches the kernels with its own tier list)."""
+    import torch
+    from transformers import AutoConfig
+
+    from vllm_kvq.artifacts.builtin import builtin_artifact
+    from vllm_kvq.artifacts.fingerprint import model_fingerprint
+    from vllm_kvq.kernels.oscar.format import LayerTiers
+
+    plans = list(json.loads((PLANS / "manifest.json").read_text())["tiers"].values())
+    art = builtin_artifact(model_fingerprint(AutoConfig.from_pretrained(model)), "hadamard")
+    art.tiers = {layer: LayerTiers.from_json(plans[i % len(plans)], str(PLANS))
+                 for i, layer in enumerate(art.layers)}
+    art.fill = {kind: {layer: torch.zeros(art.num_kv_heads, getattr(art.tiers[layer], kind).zero)
+                       for layer in art.layers if getattr(art.tiers[layer], kind).zero}
+                for kind in ("k", "v")}
+    return str(art.save(model / "tiered-artifact"))
 
 
 def run(backend: str, args: argparse.Namespace) -> dict:
@@ -52,6 +77,8 @@ def run(backend: str, args: argparse.Namespace) -> dict:
     model = Path(args.model_dir)
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps(QWEN3_4B))
+    if backend == "tiered":
+        kvq = {"artifact": tiered_artifact(model)}
     kw = {"additional_config": {"kvq": kvq}} if kvq is not None else {}
     if args.cuda_graphs:
         kw.update(enforce_eager=False, compilation_config=dict(GRAPHS))
@@ -76,7 +103,10 @@ def run(backend: str, args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "render"])
-    p.add_argument("--backend", default="oscar", choices=sorted(BACKENDS))
+    p.add_argument("--backend", default="oscar", choices=sorted(BACKENDS), help="the backend of one 'run'")
+    p.add_argument("--note", help="a remark on this run, kept with its results")
+    p.add_argument("--backends", nargs="+", default=["bf16", "oscar"], choices=sorted(BACKENDS),
+                   help="the backends of 'all', each in its own process (bf16 is the ratios' baseline)")
     p.add_argument("--prompt-len", type=int, default=32768)
     p.add_argument("--gen", type=int, default=512)
     p.add_argument("--requests", type=int, default=16)
@@ -88,7 +118,6 @@ def main() -> None:
                    help="key of this job in the JSON (default: the prompt length, '-graphs' with --cuda-graphs)")
     p.add_argument("--json", default=None)
     p.add_argument("--timeout-s", type=float, default=None, help="time limit of each backend's run")
-    p.add_argument("--note", help="a remark on this run, kept with its results")
     args = p.parse_args()
     out = Path(args.json or (Path(os.environ["OUT"]) / "oscar_vllm_e2e.json" if "OUT" in os.environ
                              else Path(__file__).parent / "results" / "oscar_vllm_e2e.json"))
@@ -102,18 +131,13 @@ def main() -> None:
         if args.note:
             job["note"] = args.note
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        for name in BACKENDS:
+        for name in args.backends:
             cmd = [sys.executable, "-m", "benchmarks.oscar_vllm_e2e", "run", "--backend", name] + [
                 f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                 if k in ("prompt_len", "gen", "requests", "gpu_mem", "model_dir")] + (
                 ["--cuda-graphs"] if args.cuda_graphs else [])
             job[name] = run_child(cmd, env, args.timeout_s)
             print(name, job[name], flush=True)
-        if "decode_tokens_per_s" in job["oscar"] and "decode_tokens_per_s" in job["bf16"]:
-            for key in ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "prefill_tokens_per_s",
-                        "job_generated_tokens_per_s"):
-                a, b = job["oscar"].get(key), job["bf16"].get(key)
-                job[f"{key}_oscar_vs_bf16"] = a / b if a and b else None
         results = json.loads(out.read_text()) if out.exists() else {}
         results[args.label or str(args.prompt_len) + ("-graphs" if args.cuda_graphs else "")] = job
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -121,28 +145,37 @@ def main() -> None:
     print(render(json.loads(out.read_text())))
 
 
+RATIOS = ("kv_cache_size_tokens", "concurrent_batch", "decode_tokens_per_s", "prefill_tokens_per_s",
+          "job_generated_tokens_per_s")
+
+
 def render(results: dict) -> str:
+    """One row per backend of each job, and each quantized backend's ratios
+    to the BF16 run of the same job."""
     fmt = lambda x: f"{x:,.0f}" if x else "-"  # noqa: E731
     rows = []
-    for label, job in results.items():
-        for name in BACKENDS:
-            r = job.get(name, {})
-            if "error" in r or not r:
-                rows.append([label, name, "failed", "", "", "", ""])
+    for job in results.values():
+        shape = f"{job['requests']} x {job['prompt_len']} + {job['gen']}"
+        shape += ", CUDA graphs" if job.get("compilation_config") else ""
+        ran = [name for name in BACKENDS if name in job]
+        for name in ran:
+            r = job[name]
+            if "error" in r or "decode_tokens_per_s" not in r:
+                rows.append([shape, name, "failed", "", "", "", ""])
                 continue
-            shape = f"{job['requests']} x {job['prompt_len']} + {job['gen']}"
-            shape += ", CUDA graphs" if job.get("compilation_config") else ""
-            rows.append([shape, r["backend"], f"{r['kv_cache_size_tokens']:,}", r["concurrent_batch"],
+            rows.append([shape, f"{name} ({r['backend']})", f"{r['kv_cache_size_tokens']:,}", r["concurrent_batch"],
                          fmt(r["decode_tokens_per_s"]), fmt(r["prefill_tokens_per_s"]),
                          f"{r['job_generated_tokens_per_s']:,.1f}"])
-        ratio = job.get("decode_tokens_per_s_oscar_vs_bf16")
-        if ratio:
-            prefill = job.get("prefill_tokens_per_s_oscar_vs_bf16")
-            rows.append(["", "OSCAR / BF16", f"{job['kv_cache_size_tokens_oscar_vs_bf16']:.2f}x",
-                         f"{job['concurrent_batch_oscar_vs_bf16']:.2f}x", f"{ratio:.2f}x",
-                         f"{prefill:.2f}x" if prefill else "", f"{job['job_generated_tokens_per_s_oscar_vs_bf16']:.2f}x"])
+        base = job.get("bf16", {})
+        for name in ran:
+            r = job[name]
+            if name == "bf16" or "decode_tokens_per_s" not in r or "decode_tokens_per_s" not in base:
+                continue
+            rows.append(["", f"{name} / bf16"] + [f"{r[k] / base[k]:.2f}x" if r.get(k) and base.get(k) else ""
+                                                 for k in RATIOS])
     header = ["job", "backend", "KV capacity (tokens)", "concurrent batch", "decode tok/s", "prefill tok/s", "job tok/s"]
     return "\n".join(table(header, rows, "llrrrrr"))
+
 
 if __name__ == "__main__":
     main()

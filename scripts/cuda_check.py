@@ -131,7 +131,7 @@ def main() -> None:
     print("ops:", summary["ops"], flush=True)
     make_model()
     artifacts = REPO / "examples" / "artifacts"
-    tiered = str(artifacts / "house-qwen3-tiered")
+    tiered = str(artifacts / "house-qwen3-auto80")  # the default: plans calibration chose at 80 B
     runs = {
         "bf16": ("TRITON_ATTN", "{}"),
         "oscar_hadamard": ("OSCAR", json.dumps({"rotation": "hadamard"})),

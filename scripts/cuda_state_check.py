@@ -6,7 +6,7 @@ attention layer, 4 value heads of 128 x 128) with random weights: tokens are
 meaningless, but they are deterministic, so the packed pools can be compared
 with vLLM's own FP32 states token for token.
 
-On CUDA, decode batches run the fused STEPQuant Triton step on the pool in
+On CUDA, decode batches run the split STEPQuant Triton step on the pool in
 place; ``kvq.kernels: "reference"`` keeps them staged (unpack, vLLM's own
 ops, refit with the reference codec), as prefill always is. Variants ending
 in ``_staged`` run that way, the others through the Triton step; every engine

@@ -4,7 +4,8 @@
 # python -m scripts.pack_for_gpu in .device-carry/house-qwen3). Results: $OUT.
 # Steps, all by default, or the ones named: bash scripts/h200.sh check e2e
 #   tests  the Triton kernel tests at serving shapes, compiled (~4 min);
-#   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits);
+#   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits; the writeback on its
+#          own stream, eagerly and in a CUDA graph; the KDA step);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
 #   bench-hybrid  only its decode and extend at hybrid models' block sizes and its decode against the split
 #          count, the rest kept from the saved results (~2 min; not by default);
@@ -25,8 +26,26 @@
 #   state-e2e-graphs  the state-e2e job with full CUDA graphs for decodes in every engine (~8 min; not by default);
 #   state-oscar  OSCAR's Triton kernels on the hybrid's attention layers with the pool, against its reference
 #          ops and under graphs, scripts/cuda_state_check.py (~5 min; not by default);
+#   state-bench  the split STEPQuant step at the op level, batch 512 (foreground, writeback and both against
+#          vLLM's FP32 update), benchmarks/stepquant_kernels.py op (<= 9 min; not by default);
+#   state-overlap  the split step in a stack of 27B-like decoder layers at batch 512, the writeback on its own
+#          stream, against FP32 updates, benchmarks/stepquant_kernels.py overlap (~4 min; not by default);
+#   kda-bench  the KDA row-unit codec's step against vLLM's KDA decode op, benchmarks/kda_kernels.py
+#          (~5 min; not by default);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
-#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min).
+#   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min);
+#   prefix the multi-turn chat job at 32 conversations x 6 turns over a 16K-token document: OSCAR with and
+#          without prefix caching and TRITON_ATTN with it, all at gpu_memory_utilization 0.15,
+#          benchmarks/prefix_chat.py (~9 min: each engine submits no turn after 70 s and aborts what still runs
+#          30 s later; not by default);
+#   spec   decode tokens/s with and without ngram speculation, OSCAR (its Triton kernels verify the 1 + k
+#          tokens a request in the decode kernel) and TRITON_ATTN, benchmarks/prefix_chat.py (~6 min; not by default);
+#   eagle  the same with an EAGLE-3 head of random weights (nearly nothing accepted: the cost of drafting),
+#          benchmarks/prefix_chat.py (~4 min; not by default);
+#   spec-graphs  the spec job with full CUDA graphs for uniform decode batches (~8 min; not by default).
+# The prefix, spec, eagle and spec-graphs steps add their engines to one JSON kept on the machine
+# ($PREFIX_JSON) and copy it to $OUT/prefix_chat.json; bring each copy back and run
+#   python -m benchmarks.prefix_chat merge FILE... --doc docs/prefix_caching.md
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh 0.32.0  # the version explicitly: a bare source passes on this script's arguments
@@ -34,6 +53,7 @@ export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/kvq_ou
 mkdir -p "$OUT"
 steps=" ${*:-tests statetests bench check graphs e2e state fp8 calib} "
 KEEP=/tmp/kvq_state_keep  # the state check's finished engines, for the next call on this machine
+PREFIX_JSON=/tmp/kvq_prefix_chat.json  # the prefix/spec/eagle steps' figures, for the next call on this machine
 # inputs the steps read from the working tree: stop before any engine starts if one is missing
 need() { [[ -e $2 ]] || { echo "step $1 needs $2 ($3)"; exit 2; }; }
 for s in check graphs calib; do
@@ -48,8 +68,9 @@ if [[ $steps == *" tests "* ]]; then
     > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
 fi
 if [[ $steps == *" statetests "* ]]; then
-  STEPQUANT_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
-    > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"; tail -15 "$OUT/stepquant_tests.log"
+  STEPQUANT_REAL_SHAPES=1 timeout 480 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
+    tests/kernels/test_stepquant_kda.py > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"
+  tail -15 "$OUT/stepquant_tests.log"
 fi
 if [[ $steps == *" bench "* ]]; then
   timeout 300 python3 -m benchmarks.oscar_kernels 2>&1 | grep -v "^{" | tail -60; echo "bench rc=$?"
@@ -96,6 +117,18 @@ if [[ $steps == *" state-oscar "* ]]; then
   echo "state oscar rc=$?"; tail -40 "$OUT/cuda_state_check.log"
   [ -f "$OUT/cuda_state_check.json" ] && cat "$OUT/cuda_state_check.json"
 fi
+if [[ $steps == *" state-bench "* ]]; then
+  timeout 540 python3 -m benchmarks.stepquant_kernels op --budget-s 200 --json "$OUT/stepquant_kernels_op.json" 2>&1 \
+    | grep -v "INFO\|WARNING" | tail -30; echo "state bench rc=$?"
+fi
+if [[ $steps == *" state-overlap "* ]]; then
+  timeout 540 python3 -m benchmarks.stepquant_kernels overlap --json "$OUT/stepquant_kernels_overlap.json" \
+    --json "$OUT/stepquant_kernels_op.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "state overlap rc=$?"
+fi
+if [[ $steps == *" kda-bench "* ]]; then
+  timeout 540 python3 -m benchmarks.kda_kernels --json "$OUT/kda_kernels.json" 2>&1 | grep -v "INFO\|WARNING" \
+    | tail -20; echo "kda bench rc=$?"
+fi
 if [[ $steps == *" state-e2e-graphs "* ]]; then
   timeout 580 python3 -m benchmarks.stepquant_vllm_e2e --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
     --cuda-graphs --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12
@@ -109,4 +142,22 @@ if [[ $steps == *" calib "* ]]; then
   timeout 420 python3 -m benchmarks.calibration_time --random-shape qwen3-8b --device cuda --dtype bfloat16 \
     --tokenizer .device-carry/house-qwen3 --json "$OUT/calibration-time-gpu.json" 2>&1 | tail -3
   echo "calib rc=$?"
+fi
+prefix_chat() {  # one prefix_chat.py job: step name, step time limit, then the job's arguments
+  local step=$1 limit=$2; shift 2
+  timeout "$limit" python3 -m benchmarks.prefix_chat --json "$PREFIX_JSON" "$@" 2>&1 | grep -v "INFO\|WARNING" \
+    | tail -40; echo "$step rc=${PIPESTATUS[0]}"
+  [ -f "$PREFIX_JSON" ] && cp "$PREFIX_JSON" "$OUT/prefix_chat.json"
+}
+if [[ $steps == *" prefix "* ]]; then
+  prefix_chat prefix 560 --jobs chat --budget-s 70 --timeout-s 180
+fi
+if [[ $steps == *" spec "* ]]; then
+  prefix_chat spec 560 --jobs spec --timeout-s 135
+fi
+if [[ $steps == *" eagle "* ]]; then
+  prefix_chat eagle 560 --jobs eagle --timeout-s 250
+fi
+if [[ $steps == *" spec-graphs "* ]]; then
+  prefix_chat spec-graphs 560 --jobs spec --cuda-graphs --label h200-graphs --timeout-s 135
 fi

@@ -9,7 +9,9 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from evalkit.data import MODELS, REPO, model_path, needles, tokenizer_path  # noqa: F401  (test modules import them)
+from evalkit.data import CODE, MODELS, REPO, model_path, needles, tokenizer_path  # noqa: F401  (test modules import them)
+
+EVAL = CODE.parent  # the development data: code-dev.txt.gz, needles-dev.jsonl
 
 os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

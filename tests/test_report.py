@@ -12,6 +12,8 @@ ARTIFACTS = REPO / "examples" / "artifacts"
 QWEN3 = ("house-qwen3", [ARTIFACTS / "house-qwen3-oscar", ARTIFACTS / "house-qwen3-tiered"])
 QWEN3NEXT = ("house-qwen3next", [ARTIFACTS / "house-qwen3next-oscar", ARTIFACTS / "house-qwen3next-stepquant"])
 PLAN = str(ARTIFACTS / "house-qwen3next-stepquant")
+KV_RESULTS = REPO / "benchmarks" / "results" / "accuracy-house-qwen3.json"
+STATE_RESULTS = REPO / "benchmarks" / "results" / "stepquant-accuracy.json"
 
 
 def layouts(model, artifacts) -> dict:
@@ -49,7 +51,7 @@ def test_state_pages_equal_the_benchmarks_engines():
     """benchmarks/results/stepquant-accuracy.json records the GDN pages real
     engines allocated (bytes per request, all GDN layers) for three of the
     report's configurations."""
-    measured = json.loads((REPO / "benchmarks" / "results" / "stepquant-accuracy.json").read_text())["results"]
+    measured = json.loads(STATE_RESULTS.read_text())["results"]
     lays = layouts("house-qwen3next", [PLAN])
     for row, label in [("FP32 state (vLLM)", "BF16 + FP32 states"), ("STEPQuant @6", "BF16 + STEPQuant @6"),
                        ("STEPQuant @6 + OSCAR INT2 attention", "OSCAR INT2 + STEPQuant @6")]:
@@ -111,22 +113,36 @@ def test_accuracy_rows_are_the_artifacts_rows():
     """Only the reference and the rows served with the given artifacts, with
     the JSON's numbers."""
     inputs = report.load_inputs(model_path("house-qwen3"), [str(ARTIFACTS / "house-qwen3-tiered")])
-    path, rows = report.kv_accuracy_rows(inputs)
-    results = json.loads(path.read_text())["results"]
+    rows = report.accuracy_rows(inputs, KV_RESULTS)
+    results = json.loads(KV_RESULTS.read_text())["results"]
     assert [name for name, _ in rows] == ["bf16", "OSCAR tiers: K 48x4 + 80x2, V 16x4 + 48x2 + 64 not stored"]
     assert [r for _, r in rows] == [results[name] for name, _ in rows]
-    assert report.state_accuracy_rows(inputs) is None  # no GDN layers, no plan
+    assert report.accuracy_rows(inputs, STATE_RESULTS) is None  # no GDN layers, no plan
     inputs = report.load_inputs(model_path("house-qwen3next"), [PLAN])
-    _, rows = report.state_accuracy_rows(inputs)
+    rows = report.accuracy_rows(inputs, STATE_RESULTS)
     assert [name for name, _ in rows] == ["FP32 state (vLLM)", "STEPQuant @6", "STEPQuant @4",
                                           "STEPQuant @6 + OSCAR INT2 attention"]
+
+
+@pytest.mark.parametrize("model, artifact, row", [
+    ("house-qwen3", "house-qwen3-oscar", "OSCAR, per-KV-head rotation"),
+    ("house-qwen3", "house-qwen3-oscar-layer", "OSCAR, shared per-layer rotation"),
+    ("house-qwen3", "house-qwen3-oscar-fitted", "OSCAR, per-KV-head rotation, fitted clip"),
+    ("house-qwen2", "house-qwen2-oscar-exact", "OSCAR, per-KV-head rotation, exact value target"),
+    ("house-qwen3", "house-qwen3-tiered-2.25bit", "OSCAR tiers: K 32x4 + 96x2, V 16x4 + 32x2 + 80 not stored"),
+])
+def test_each_artifact_takes_the_row_measured_with_it(model, artifact, row):
+    """benchmarks/accuracy.py names each row after how its artifact was made."""
+    inputs = report.load_inputs(model_path(model), [str(ARTIFACTS / artifact)])
+    rows = report.accuracy_rows(inputs, KV_RESULTS.with_name(f"accuracy-{model}.json"))
+    assert [name for name, _ in rows] == ["bf16", row]
 
 
 def test_cli_writes_the_page_and_plots(tmp_path, qwen3next):
     from vllm_kvq.cli import main
 
     main(["report", model_path("house-qwen3next"), "--artifact", PLAN, "--out", str(tmp_path),
-          "--kv-budget", "128MiB", "1GiB"])
+          "--kv-budget", "128MiB", "1GiB", "--accuracy", str(STATE_RESULTS)])
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["house-qwen3next-bits.png", "house-qwen3next-capacity-128MiB.png",
                      "house-qwen3next-capacity-1GiB.png", "house-qwen3next-state.png", "house-qwen3next.md"]
@@ -146,6 +162,9 @@ def test_cli_writes_the_page_and_plots(tmp_path, qwen3next):
     (["--artifact", PLAN], "STEPQuant state plan, and house-qwen3 has no GDN layers"),
     (["--artifact", str(ARTIFACTS / "house-qwen3next-oscar")], "calibrate"),
     (["--artifact", "/nowhere"], "/nowhere"),
+    (["--accuracy", "/nowhere.json"], "/nowhere.json: no such file"),
+    (["--accuracy", str(KV_RESULTS.with_name("accuracy-house-qwen2.json"))], "measured on house-qwen2, not house-qwen3"),
+    (["--accuracy", str(REPO / "benchmarks" / "results" / "calibration-time.json")], "has no reference row"),
 ])
 def test_bad_input_fails_with_the_fix(argv, message, tmp_path, capsys):
     from vllm_kvq.cli import main

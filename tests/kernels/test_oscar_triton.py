@@ -218,7 +218,7 @@ def test_decode_matches_reference(shape, splits, launch):
     h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
     s0w = fmt.sink + fmt.window
     lengths = [1, s0w - 1, s0w, s0w + 1, 6 * fmt.block_size + 7, fmt.window + 4 * fmt.block_size]
-    if shape["d"] == 128:
+    if shape["d"] == 128 and DEV == "cuda":  # a long context (minutes in the interpreter)
         lengths.append(20_000)
     table, nblocks = _block_table(fmt, lengths, gen)
     cache = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
@@ -443,3 +443,90 @@ def test_extend_head_size_64_tiles(monkeypatch):
     launched = _record_launches(monkeypatch, triton_extend, "_extend_kernel", "BLOCK_N")
     test_extend_matches_reference(dict(SMALL, kb=64))
     assert launched == [32]
+
+
+# (query tokens a request, rows kept, path) of each step: a verification step
+# of 1 + k tokens keeps the accepted drafts plus one, the rest are rejected
+# and rewritten by the next step; a step with fewer tokens (fewer drafts
+# proposed) leaves rejected rows in the ring's spare slots; the chunk path
+# (store INT2, extend, store BF16) serves requests of a non-uniform batch.
+SPEC_STEPS = [(4, 2, "decode"), (1, 1, "decode"), (4, 1, "chunk"), (3, 3, "decode")]
+
+
+@pytest.mark.parametrize("plan", [INT2, MIXED])
+def test_speculative_steps_match_reference(plan):
+    """Verification steps with k = 3 drafts over a ring of W + 3 slots, one
+    request inside the sink and one past sink + window: each query row of
+    the multi-token decode (its own window edge) matches attention computed
+    from the kept rows alone (no pages, no ring), and the pages equal the
+    reference ops' after every step."""
+    import dataclasses
+
+    from vllm_kvq.kernels.oscar.triton_extend import extend_attention, query_tiles
+
+    drafts = 3
+    gen = torch.Generator().manual_seed(7)
+    shape = dict(SMALL, tiers=plan, hkv=1)
+    fmt = dataclasses.replace(_fmt(shape), ring_slack=drafts)
+    assert fmt.ring == fmt.window + drafts
+    h, d, hq = shape["hkv"], shape["d"], shape["hkv"] * shape["group"]
+    scale, clips = d ** -0.5, (0.96, 0.92)
+    starts = [3, 2 * fmt.block_size + 5]
+    total = [s + sum(q for q, _, _ in SPEC_STEPS) for s in starts]
+    table, nblocks = _block_table(fmt, total, gen)
+    tdev = table.to(DEV)
+    fills = _fills(fmt, h, gen)
+    bf16 = lambda *shape: torch.randn(*shape, generator=gen).to(torch.bfloat16).float().to(DEV)  # noqa: E731
+    ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
+
+    cache = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    kept_k, kept_v = [], []
+    for i, n in enumerate(starts):  # the context, as earlier steps wrote it
+        kept_k.append(bf16(n, h, d))
+        kept_v.append(bf16(n, h, d))
+        ref.attend_and_write(ref.PageViews(cache, fmt), fmt, tdev[i], 0, bf16(n, hq, d), kept_k[i], kept_v[i],
+                             *clips, scale, fills)
+    want_cache = cache.clone()
+    for ql, keep, path in SPEC_STEPS:
+        q, k, v = bf16(len(starts) * ql, hq, d), bf16(len(starts) * ql, h, d), bf16(len(starts) * ql, h, d)
+        lengths = [len(x) for x in kept_k]
+        want = []
+        for i, n in enumerate(lengths):
+            rows = slice(i * ql, (i + 1) * ql)
+            hist_k, hist_v = torch.cat((kept_k[i], k[rows])), torch.cat((kept_v[i], v[rows]))
+            lo_k = ref.dequantize(*ref.quantize(hist_k, fmt.k, clips[0]), fmt.k, fills[0])
+            lo_v = ref.dequantize(*ref.quantize(hist_v, fmt.v, clips[1]), fmt.v, fills[1])
+            want.append(ref.mixed_attention(q[rows], torch.arange(n, n + ql, device=DEV), hist_k, hist_v, lo_k, lo_v,
+                                            fmt.sink, fmt.window, scale))
+            ref.attend_and_write(ref.PageViews(want_cache, fmt), fmt, tdev[i], n, q[rows], k[rows], v[rows], *clips,
+                                 scale, fills)
+        want = torch.cat(want)
+        seq = ints([n + ql for n in lengths])
+        out = torch.empty(q.shape, dtype=torch.float32, device=DEV)
+        if path == "decode":
+            store_decode_tokens(cache, fmt, k, v, None, seq, tdev, *clips, query_len=ql)
+            decode_attention(q, cache, fmt, tdev, seq, scale, 1, out, fills=fills, query_len=ql)
+        else:
+            idx = (ints([p for n in lengths for p in range(n, n + ql)]), ints([i for i in range(len(starts))
+                                                                                for _ in range(ql)]),
+                   ints([n + ql for n in lengths for _ in range(ql)]), tdev, *clips)
+            store_tokens(cache, fmt, k, v, None, *idx, state=False)
+            extend_attention(q, k, v, cache, fmt, tdev, query_tiles([(i, i * ql, ql, n) for i, n in enumerate(lengths)],
+                                                                     DEV), scale, out, fills=fills)
+            store_tokens(cache, fmt, k, v, None, *idx, data=False)
+        err = (out - want).abs()
+        assert err.max().item() < 5e-3 and err.mean().item() < 5e-4, (ql, keep, path, err.max().item())
+        assert torch.equal(cache.cpu(), want_cache.cpu()), (ql, keep, path)
+        for i in range(len(starts)):
+            rows = slice(i * ql, i * ql + keep)
+            kept_k[i], kept_v[i] = torch.cat((kept_k[i], k[rows])), torch.cat((kept_v[i], v[rows]))
+
+
+def test_multi_token_decode_needs_the_ring():
+    """More query tokens a request than the ring has spare slots for: refused."""
+    fmt = _fmt(SMALL)
+    q = torch.zeros(4, SMALL["hkv"] * SMALL["group"], SMALL["d"])
+    with pytest.raises(ValueError, match="ring of W"):
+        decode_attention(q, torch.zeros(8, SMALL["hkv"], fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8),
+                         fmt, torch.zeros(2, 8, dtype=torch.int32), torch.tensor([5, 5], dtype=torch.int32), 1.0, 1,
+                         torch.empty_like(q), query_len=2)

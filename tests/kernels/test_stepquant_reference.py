@@ -163,3 +163,62 @@ def test_records_do_not_depend_on_the_cpu_request_slices(monkeypatch, fit):
     assert torch.equal(ref.encode(x, lay, w, fit), whole)
     alone = torch.cat([ref.encode(x[i : i + 1], lay, w, fit) for i in range(11)])
     assert torch.equal(alone, whole)
+
+
+def _step_inputs(n, h, k, v, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(n, h, k, generator=g), dim=-1) * k**-0.5
+    key = torch.nn.functional.normalize(torch.randn(n, h, k, generator=g), dim=-1)
+    v = torch.randn(n, h, v, generator=g) * 2
+    return q, key, v, -torch.rand(n, h, generator=g) * 0.2, torch.rand(n, h, generator=g)
+
+
+def _fp16_field(rec, start, count):
+    return rec[:, start : start + 2 * count].contiguous().view(torch.float16).float()
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_split_step_gives_the_steps_records(fit):
+    """Foreground + writeback against the one-piece step: the same readout,
+    and the same records except where the row partials' summation order moves
+    a row factor across an fp16 rounding boundary (counted, bounded, and each
+    such row factor one fp16 ulp away)."""
+    bits = (2, 4, 6, 8, 16, 6) if fit == "stepquant" else (4, 6, 8, 16)
+    n, kd, vd = 128, 32, 128  # with this seed, a few row factors move (10 record bytes)
+    lay = StateLayout(bits, kd, vd)
+    w = _impact(len(bits), kd)
+    rec = ref.encode(_states(n, len(bits), kd, vd, seed=3), lay, w, fit)
+    q, k, v, g, beta = _step_inputs(n, len(bits), kd, vd, seed=4)
+    out, want = ref.step(rec, lay, w, q, k, v, g, beta, fit)
+    got_out, delta, parts = ref.foreground(rec, lay, q, k, v, g, beta, fit)
+    assert parts.shape == (n, len(bits), vd // 32, kd)
+    got = ref.writeback(rec, lay, w, k, torch.exp(g), delta, parts, fit)
+    assert torch.equal(got_out, out)
+    moved_rows = moved_heads = 0
+    for s in lay.heads:
+        if s.bits == 16:
+            assert torch.equal(got[:, s.codes : s.codes + s.codes_bytes], want[:, s.codes : s.codes + s.codes_bytes])
+            continue
+        r_want, r_got = (_fp16_field(x, s.rows, kd * s.row_groups) for x in (want, got))
+        moved = r_got != r_want
+        moved_rows += int(moved.sum())
+        ulp = 2.0 ** (torch.floor(torch.log2(r_want.abs().clamp_min(2**-14))) - 10)
+        assert bool(((r_got - r_want).abs()[moved] <= ulp[moved]).all())
+        # a request's head whose row factors all agree has the very same codes and column scales
+        same = ~moved.any(-1)
+        head = slice(s.codes, s.cols + 2 * vd)
+        assert torch.equal(got[same, head], want[same, head])
+        moved_heads += int((~same).sum())
+    if fit == "rowwise":  # maxima do not depend on the order
+        assert torch.equal(got, want)
+    assert moved_rows <= 1e-3 * n * kd * len(bits) and moved_heads <= 0.05 * n * len(bits)
+    # where they moved, the decoded states stay within one quantization step (two for INT2's odd levels)
+    # plus the value times one fp16 ulp of the scales
+    d_want, d_got = ref.decode(want, lay), ref.decode(got, lay)
+    for i, s in enumerate(lay.heads):
+        if s.bits != 16:
+            r = torch.maximum(*(_fp16_field(x, s.rows, kd * s.row_groups) for x in (want, got)))
+            c = torch.maximum(*(_fp16_field(x, s.cols, vd) for x in (want, got)))
+            steps = r.view(n, kd, s.row_groups).repeat_interleave(vd // s.row_groups, -1) * c.view(n, 1, vd)
+            bound = steps * (2 if s.bits == 2 else 1) + d_want[:, i].abs() * 2**-9
+            assert bool(((d_got[:, i] - d_want[:, i]).abs() <= bound + 1e-30).all())

@@ -1,11 +1,15 @@
-"""The fused STEPQuant decode step (Triton) against ``reference.step``.
+"""The split STEPQuant decode step (Triton: foreground and writeback)
+against the reference: each kernel against its PyTorch twin, and the two
+together against ``reference.step``.
 
 Without a GPU the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``,
 set before Triton compiles anything) at small shapes; on a GPU the same tests
 run compiled, and ``STEPQUANT_REAL_SHAPES=1`` adds the serving shapes
-(K = V = 128, 4 and 48 value heads with @6 and @4 plans).
+(K = V = 128, 4 and 48 value heads with @6 and @4 plans). Tests marked for
+CUDA run the writeback on a second stream, as vLLM's decode does, eagerly and
+captured in a CUDA graph.
 
-Why not byte equality everywhere: the kernel sums ``Sᵀk``, ``Xᵀq``, the row
+Why not byte equality everywhere: the kernels sum ``Sᵀk``, ``Xᵀq``, the row
 magnitudes and the refit sums in another order than torch (and the GPU
 contracts ``a*b+c`` into FMAs and uses its own ``exp``), so X differs from the
 reference's by a few ulps. A code then flips by one level only where the
@@ -33,7 +37,8 @@ pytest.importorskip("triton")
 from vllm_kvq.kernels.stepquant import reference as ref  # noqa: E402
 from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout  # noqa: E402
 from vllm_kvq.kernels.stepquant.triton_fp32 import fp32_step_  # noqa: E402
-from vllm_kvq.kernels.stepquant.triton_step import StepPlan, step, step_  # noqa: E402
+from vllm_kvq.kernels.stepquant.triton_step import (StepPlan, StepScratch, foreground_, step, step_,  # noqa: E402
+                                                     writeback_)
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 REAL = DEV == "cuda" and bool(os.environ.get("STEPQUANT_REAL_SHAPES"))
@@ -240,7 +245,7 @@ def test_cuda_decode_path_matches_staged_step(fit):
     pool: vLLM's bf16 mixed q/k/v after the conv, raw gates, the layer's bf16
     output) against the staged path: decode the records, vLLM's decode math in
     fp32, the reference codec's fit."""
-    from vllm_kvq.backends.state_pool import packed_decode
+    from vllm_kvq.backends.state_pool import LayerPool, decode_plan, packed_decode
 
     bits = (16, 6, 4, 2) if fit == "stepquant" else (8, 6, 4, 16)
     hk, hv, kd, vd = 2, 4, 32, 32
@@ -261,9 +266,13 @@ def test_cuda_decode_path_matches_staged_step(fit):
     pages_dev = pages.to(DEV)
     core_attn_out = torch.zeros(n + 2, hv, vd, dtype=torch.bfloat16, device=DEV)  # the layer's, padded
     idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
-    plan = StepPlan(lay, w, DEV, fit)
-    packed_decode(pages_dev[:, 96 : 96 + lay.size], idx, plan, *[t.to(DEV) for t in (mixed, a, b, a_log, dt_bias)],
+    decoder = decode_plan(LayerPool(lay, w, fit, torch.float32), DEV, hk, rows=2)  # the batch grows the scratch
+    packed_decode(pages_dev[:, 96 : 96 + lay.size], idx, decoder, *[t.to(DEV) for t in (mixed, a, b, a_log, dt_bias)],
                   hk, core_attn_out[:n])
+    if DEV == "cuda":  # the writeback ran on its own stream: what a forward's end does
+        from vllm_kvq.backends.state_pool import join_writebacks
+
+        join_writebacks()
     live = [i for i, s in enumerate(slots) if s > 0]
     q, k, v, g, beta = _vllm_decode_inputs(mixed[live], a[live], b[live], a_log, dt_bias, hk, kd, hv, vd)
     o_want, r_want = ref.step(rec[live], lay, w, q, k, v, g, beta, fit=fit)
@@ -333,15 +342,152 @@ def test_fp32_baseline_kernel():
     assert torch.equal(dev_state.cpu()[0], state[0])
 
 
-def test_readout_only_leaves_the_record():
-    """``readout_only`` (for timing the fit's share): same out, record untouched."""
+def _scratch_from_twin(plan, key_heads, n, slots, k, g, delta, parts):
+    """A scratch holding what the reference foreground produced."""
+    s = StepScratch(plan, key_heads, n, DEV, span=plan.layout.v_dim)
+    s.slots.copy_(torch.as_tensor(slots, dtype=torch.int32))
+    s.delta.copy_(delta)
+    s.parts.copy_(parts)
+    s.keys.copy_(k)
+    s.decay.copy_(torch.exp(g))
+    return s
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_foreground_matches_its_twin(fit):
+    """The foreground alone: the readout, δ and row partials of the twin, the
+    slot, keys and decay saved, the records not touched."""
+    bits = (2, 16, 4, 6, 8) if fit == "stepquant" else (16, 4, 6, 8, 6)
+    kd, vd, n, hk = 32, 64, 3, 5
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=4, fit=fit)
+    h = len(bits)
+    plan = StepPlan(lay, w, DEV, fit)
+    pool = rec.clone().to(DEV)
+    idx = torch.tensor([2, 0, 1], dtype=torch.int32, device=DEV)
+    scratch = StepScratch(plan, hk, n, DEV, span=64)
+    assert scratch.part == (32 if 2 in bits else 64)  # rowwise: the two tiles' partials summed in registers
+    out = foreground_(pool, idx, plan, scratch, *[t.to(DEV) for t in (q, k, v, g, beta)], min_slot=0,
+                      launch={"fg_tile": 32, "fg_tiles": 2})
+    assert torch.equal(pool.cpu(), rec)
+    sel = idx.long().cpu()
+    o_want, d_want, p_want = ref.foreground(rec[sel], lay, _expand(q, h), _expand(k, h), v, g, beta, fit,
+                                            part=scratch.part)
+    scale = o_want.abs().max().item()
+    assert (out.cpu() - o_want).abs().max().item() <= 1e-5 * scale
+    assert torch.allclose(scratch.delta.cpu(), d_want, rtol=1e-5, atol=1e-5 * d_want.abs().max().item())
+    # INT2 heads keep a row's sums per 32 columns; the others only their total counts (one program's sum)
+    got_parts = scratch.parts.cpu()
+    int2 = [i for i, b in enumerate(bits) if b == 2]
+    rest = [i for i, b in enumerate(bits) if b != 2]
+    assert torch.allclose(got_parts[:, int2], p_want[:, int2], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(got_parts[:, rest].sum(2), p_want[:, rest].sum(2), rtol=1e-5, atol=1e-6)
+    assert torch.equal(scratch.slots.cpu(), sel.int())
+    assert torch.equal(scratch.keys.cpu(), k) and torch.allclose(scratch.decay.cpu(), torch.exp(g), rtol=1e-6)
+
+
+@pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
+def test_writeback_matches_its_twin(fit):
+    """The writeback alone, fed what the reference foreground produced, in a
+    pool with a padding row: the twin's records, every other slot untouched."""
+    bits = (6, 2, 16, 8, 4, 2) if fit == "stepquant" else (6, 16, 8, 4)
+    kd, vd, n, hk = 32, 64, 3, 2
+    lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=8, fit=fit)
+    h = len(bits)
+    ke = _expand(k, h)
+    part = StepScratch.part_width(lay, vd)  # 64 without INT2 heads: one partial a row
+    _, delta, parts = ref.foreground(rec, lay, _expand(q, h), ke, v, g, beta, fit, part=part)
+    want = ref.writeback(rec, lay, w, ke, torch.exp(g), delta, parts, fit)
+    pool = torch.randint(0, 256, (5, lay.size), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    slots = [4, -1, 1]  # -1: padding
+    for i, s in enumerate(slots):
+        if s > 0:
+            pool[s] = rec[i]
+    before = pool.clone()
+    plan = StepPlan(lay, w, DEV, fit)
+    scratch = _scratch_from_twin(plan, hk, n, slots, k, g, delta, parts)
+    pool_dev = pool.to(DEV)
+    writeback_(pool_dev, plan, scratch, n)
+    after = pool_dev.cpu()
+    live = [0, 2]
+    assert_close_records(lay, want[live], after[[4, 1]], max_frac=0.005, max_byte_frac=0.002)
+    for s in (0, 2, 3):
+        assert torch.equal(after[s], before[s])
+
+
+def test_foreground_leaves_the_record_and_gives_the_steps_readout():
+    """The foreground on its own (the part on the critical path, timed on its
+    own): the record untouched, the readout the whole step's."""
     bits, kd, vd, n = (6, 16), 32, 32, 2
     lay, w, rec, q, k, v, g, beta = _inputs(bits, kd, vd, n, 2, seed=4)
     plan = StepPlan(lay, w, DEV)
     dev = [t.to(DEV) for t in (q, k, v, g, beta)]
-    pool = rec.to(DEV)
+    pool = rec.clone().to(DEV)
     idx = torch.arange(n, dtype=torch.int32, device=DEV)
-    out = step_(pool, idx, plan, *dev, min_slot=0, readout_only=True)
+    out = foreground_(pool, idx, plan, StepScratch(plan, 2, n, DEV), *dev, min_slot=0)
     assert torch.equal(pool.cpu(), rec)
     # the same arithmetic up to the readout (two compilations: allow FMA contraction to differ)
     assert torch.allclose(out, step_(pool, idx, plan, *dev, min_slot=0), rtol=1e-5, atol=1e-7)
+    assert not torch.equal(pool.cpu(), rec)
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="streams and CUDA graphs")
+def test_two_streams_and_a_cuda_graph_give_the_synchronous_step():
+    """vLLM's decode path: foreground on the current stream, writeback on the
+    writeback stream, joined at the end of the forward; three layers in a row,
+    eagerly and captured in one CUDA graph and replayed, against the same
+    kernels run one after the other on one stream (bit for bit)."""
+    from vllm_kvq.backends.state_pool import LayerPool, PackedDecoder, decode_plan, join_writebacks, packed_decode
+
+    hk, hv, kd, vd, n = 2, 4, 64, 64, 5
+    idx = torch.tensor([3, 1, -1, 6, 2], dtype=torch.int32, device=DEV)
+    gen = torch.Generator().manual_seed(41)
+    layers, twins, pools = [], [], []
+    for i, bits in enumerate([(16, 6, 4, 2), (8, 6, 6, 4), (2, 8, 6, 8)]):
+        lay, w, rec, *_ = _inputs(bits, kd, vd, 7, hk, seed=41 + i)
+        pool = LayerPool(lay, w, "stepquant", torch.float32)
+        layers.append(decode_plan(pool, DEV, hk, rows=n))
+        twin = PackedDecoder(pool, DEV, hk, n)
+        twin.cuda = False  # the same kernels, one after the other on the current stream
+        twins.append(twin)
+        pools.append(rec.to(DEV))
+    a_log = (torch.randn(hv, generator=gen) * 0.5).to(DEV)
+    dt_bias = torch.randn(hv, generator=gen).bfloat16().to(DEV)
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16().to(DEV)
+
+    steps = [(draw(n, 2 * hk * kd + hv * vd, scale=0.7), draw(n, hv), draw(n, hv)) for _ in range(4)]
+
+    def forward(decoders, records, mixed, a, b, outs, join=True):
+        for decoder, rec, out in zip(decoders, records, outs):
+            packed_decode(rec, idx, decoder, mixed, a, b, a_log, dt_bias, hk, out)
+        if join:
+            join_writebacks()
+
+    def check(records, want_records, outs, want_outs):
+        torch.cuda.synchronize()
+        for r, wr, o, wo in zip(records, want_records, outs, want_outs):
+            assert torch.equal(o, wo) and torch.equal(r, wr)
+
+    def zeros():
+        return [torch.zeros(n, hv, vd, device=DEV) for _ in layers]
+
+    eager, twin = [p.clone() for p in pools], [p.clone() for p in pools]
+    outs, want = zeros(), zeros()
+    for mixed, a, b in steps[:2]:  # each layer's second foreground follows its first writeback
+        forward(layers, eager, mixed, a, b, outs)
+        forward(twins, twin, mixed, a, b, want, join=False)
+        check(eager, twin, outs, want)
+    graph = torch.cuda.CUDAGraph()
+    mixed, a, b = (t.clone() for t in steps[2])
+    captured = [p.clone() for p in eager]
+    with torch.cuda.graph(graph):
+        forward(layers, captured, mixed, a, b, outs)
+    for p, e in zip(captured, eager):
+        p.copy_(e)
+    graph.replay()
+    forward(twins, twin, mixed, a, b, want, join=False)
+    check(captured, twin, outs, want)
+    # an eager step after the capture waits on the layers' own events, not the captured ones
+    forward(layers, captured, *steps[3], outs)
+    forward(twins, twin, *steps[3], want, join=False)
+    check(captured, twin, outs, want)

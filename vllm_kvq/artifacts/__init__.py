@@ -6,13 +6,5 @@ from vllm_kvq.artifacts.fingerprint import attention_layers, model_fingerprint
 from vllm_kvq.artifacts.oscar import OscarArtifact
 from vllm_kvq.artifacts.stepquant import StepQuantPlan
 
-__all__ = [
-    "ArtifactError",
-    "FORMAT_VERSION",
-    "OscarArtifact",
-    "StepQuantPlan",
-    "attention_layers",
-    "builtin_artifact",
-    "hadamard",
-    "model_fingerprint",
-]
+__all__ = ["ArtifactError", "FORMAT_VERSION", "OscarArtifact", "StepQuantPlan", "attention_layers", "builtin_artifact",
+           "hadamard", "model_fingerprint"]

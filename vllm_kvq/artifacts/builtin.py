@@ -22,24 +22,12 @@ def hadamard(d: int) -> torch.Tensor:
 def builtin_artifact(fingerprint: dict, mode: str, k_clip: float = 1.0, v_clip: float = 1.0) -> OscarArtifact:
     """An in-memory artifact with the same rotation on every layer of a model
     (given by its :func:`model_fingerprint`)."""
-    d = fingerprint["head_dim"]
-    if mode == "none":
-        rot = torch.eye(d)
-    elif mode == "hadamard":
-        rot = hadamard(d)
-    else:
+    d, layers = fingerprint["head_dim"], list(fingerprint["attention_layers"])
+    if mode not in ("none", "hadamard"):
         raise ValueError(f"no built-in rotation {mode!r}")
-    layers = list(fingerprint["attention_layers"])
+    rot = torch.eye(d) if mode == "none" else hadamard(d)
     return OscarArtifact(
-        fingerprint=dict(fingerprint),
-        head_dim=d,
-        num_kv_heads=fingerprint["num_key_value_heads"],
-        layers=layers,
-        granularity="layer",
-        k_rotation={i: rot for i in layers},
-        v_rotation={i: rot for i in layers},
-        k_clip={i: k_clip for i in layers},
-        v_clip={i: v_clip for i in layers},
-        provenance={"builtin": mode},
-        source=f"<builtin {mode}>",
-    )
+        fingerprint=dict(fingerprint), head_dim=d, num_kv_heads=fingerprint["num_key_value_heads"], layers=layers,
+        granularity="layer", k_rotation=dict.fromkeys(layers, rot), v_rotation=dict.fromkeys(layers, rot),
+        k_clip=dict.fromkeys(layers, k_clip), v_clip=dict.fromkeys(layers, v_clip), provenance={"builtin": mode},
+        source=f"<builtin {mode}>")

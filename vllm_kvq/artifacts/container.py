@@ -19,10 +19,9 @@ READS = (1, 2)
 """Versions this release reads: 1 (tiers, if any, the same for every layer) and 2."""
 MANIFEST = "manifest.json"
 TENSORS = "tensors.safetensors"
-MAKE = {
-    "oscar": "`vllm-kvq calibrate MODEL --data FILE --out DIR`",
-    "stepquant": "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`",
-}
+HEAD = ("format", "format_version", "kind")
+MAKE = {"oscar": "`vllm-kvq calibrate MODEL --data FILE --out DIR`",
+        "stepquant": "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`"}
 SETTING = {"oscar": "kvq.artifact", "stepquant": "kvq.state_artifact"}
 WHAT = {"oscar": "an OSCAR KV-cache artifact", "stepquant": "a STEPQuant state plan"}
 
@@ -31,7 +30,7 @@ class ArtifactError(ValueError):
     """An artifact that must not be served; the message names the fix."""
 
 
-def header(directory: str | Path, fix: str) -> dict:
+def header(directory: str | Path, fix: str = "expected a directory made by `vllm-kvq calibrate`") -> dict:
     """The manifest of an artifact directory, its format and version checked."""
     path = Path(directory)
     where = f"artifact {path}"
@@ -41,11 +40,10 @@ def header(directory: str | Path, fix: str) -> dict:
         manifest = json.loads((path / MANIFEST).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{where}: {MANIFEST} is not valid JSON ({e}); {fix}") from e
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
-        got = manifest.get("format") if isinstance(manifest, dict) else None
+    got = manifest.get("format") if isinstance(manifest, dict) else None
+    if got != FORMAT_NAME:
         raise ArtifactError(f"{where}: format {got!r} is not {FORMAT_NAME!r}; {fix}")
-    version = manifest.get("format_version")
-    if version not in READS:
+    if (version := manifest.get("format_version")) not in READS:
         raise ArtifactError(f"{where}: unknown format_version {version!r}; this vllm-kvq reads versions "
                             f"{list(READS)}. Re-run `vllm-kvq calibrate` or upgrade vllm-kvq")
     return manifest
@@ -53,43 +51,50 @@ def header(directory: str | Path, fix: str) -> dict:
 
 def kind_of(directory: str | Path) -> str:
     """``oscar`` or ``stepquant``: the kind of the artifact at ``directory``."""
-    return header(directory, "expected a directory made by `vllm-kvq calibrate`").get("kind", "oscar")
+    return header(directory).get("kind", "oscar")
 
 
-HEAD = ("format", "format_version", "kind")
-
-
-def read(directory: str | Path, kind: str, required: tuple[str, ...],
-         optional: tuple[str, ...] = ()) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(manifest, tensors) of an artifact of ``kind``, with its format,
-    version, kind and fields checked: all ``required`` present, nothing but
-    those and ``optional``."""
-    path = Path(directory)
-    where = f"artifact {path}"
-    manifest = header(path, f"point {SETTING[kind]} at a directory made by {MAKE[kind]}")
+def read_manifest(directory: str | Path, kind: str, required: tuple[str, ...], optional: tuple[str, ...]) -> dict:
+    """The manifest of an artifact of ``kind``, with its format, version, kind
+    and fields checked: all ``required`` present, nothing but those and ``optional``."""
+    where = f"artifact {Path(directory)}"
+    manifest = header(directory, f"point {SETTING[kind]} at a directory made by {MAKE[kind]}")
     got = manifest.get("kind", "oscar")
     if got != kind:
         if got in WHAT:
             raise ArtifactError(f"{where} is {WHAT[got]} (kind {got!r}), not {WHAT[kind]}; pass it as "
                                 f"{SETTING[got]}, and make {WHAT[kind]} with {MAKE[kind]}")
         raise ArtifactError(f"{where}: unknown artifact kind {got!r}; expected {kind!r}")
-    missing = [k for k in required if k not in manifest]
-    if missing:
+    if missing := [k for k in required if k not in manifest]:
         raise ArtifactError(f"{where}: manifest lacks {missing}; re-run {MAKE[kind]}")
-    unknown = sorted(set(manifest) - set(HEAD) - set(required) - set(optional))
-    if unknown:
+    if unknown := sorted(set(manifest) - set(HEAD) - set(required) - set(optional)):
         raise ArtifactError(f"{where}: unknown manifest field(s) {unknown}; this vllm-kvq does not know what they "
                             f"ask for: re-run {MAKE[kind]} or upgrade vllm-kvq")
-    if not (path / TENSORS).is_file():
-        raise ArtifactError(f"{where}: no {TENSORS}; re-run {MAKE[kind]}")
+    return manifest
+
+
+def read(directory: str | Path, kind: str, required: tuple[str, ...],
+         optional: tuple[str, ...]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(manifest, tensors) of an artifact of ``kind`` (see :func:`read_manifest`)."""
     from safetensors import safe_open
 
+    manifest, where = read_manifest(directory, kind, required, optional), Path(directory)
+    path = where / TENSORS
+    if not path.is_file():
+        raise ArtifactError(f"artifact {where}: no {TENSORS}; re-run {MAKE[kind]}")
     try:
-        with safe_open(str(path / TENSORS), framework="pt") as f:
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
+        with safe_open(str(path), framework="pt") as f:
+            return manifest, {key: f.get_tensor(key) for key in f.keys()}
     except Exception as e:  # safetensors raises its own error types for truncated or foreign files
-        raise ArtifactError(f"{where}: {TENSORS} cannot be read ({e}); re-run {MAKE[kind]}") from e
-    return manifest, tensors
+        raise ArtifactError(f"artifact {where}: {TENSORS} cannot be read ({e}); re-run {MAKE[kind]}") from e
+
+
+def per_layer(tensors: dict, name: str, layers: list[int], where: str, required: bool = False) -> dict:
+    """``{layer: tensors["<name>.<layer>"]}``; a missing one is an error if ``required``."""
+    missing = [layer for layer in layers if f"{name}.{layer}" not in tensors]
+    if required and missing:
+        raise ArtifactError(f"{where}: missing tensor '{name}.{missing[0]}' for layer {missing[0]}")
+    return {layer: tensors[f"{name}.{layer}"] for layer in layers if layer not in missing}
 
 
 def write(directory: str | Path, kind: str, manifest: dict, tensors: dict[str, torch.Tensor]) -> Path:
@@ -106,9 +111,8 @@ def write(directory: str | Path, kind: str, manifest: dict, tensors: dict[str, t
 def check_fingerprint(where: str, calibrated: dict, model: dict, kind: str) -> None:
     """Fail unless the artifact's fingerprint matches the model's (layer
     coverage is each kind's own check)."""
-    diffs = {k: (calibrated.get(k), v) for k, v in model.items()
-             if k != "attention_layers" and calibrated.get(k) != v}
-    if diffs:
+    if diffs := {k: (calibrated.get(k), v) for k, v in model.items()
+                 if k != "attention_layers" and calibrated.get(k) != v}:
         detail = ", ".join(f"{k}: artifact {a!r} vs model {b!r}" for k, (a, b) in diffs.items())
         raise ArtifactError(f"{where} was calibrated for a different model ({detail}); calibrate this model "
                             f"with {MAKE[kind]}")
@@ -122,9 +126,11 @@ def as_numpy(t: torch.Tensor) -> np.ndarray:
     return (t.float() if t.dtype == torch.bfloat16 else t).numpy().astype(np.float64)
 
 
-def finite(where: str, name: str, t: torch.Tensor) -> np.ndarray:
-    """``t`` as fp64 numpy, or ArtifactError if it holds NaN or Inf."""
+def checked(where: str, name: str, t: torch.Tensor, shape: tuple, detail: str = "") -> np.ndarray:
+    """``t`` as fp64 numpy, or ArtifactError unless it has ``shape`` and no NaN or Inf."""
+    if tuple(t.shape) != tuple(shape):
+        raise ArtifactError(f"{where}: {name} has shape {tuple(t.shape)}, expected {tuple(shape)}{detail}")
     x = as_numpy(t)
     if not np.isfinite(x).all():
-        raise ArtifactError(f"{where}: {name} contains NaN or Inf")
+        raise ArtifactError(f"{where}: {name} contains NaN or Inf; re-run `vllm-kvq calibrate`")
     return x

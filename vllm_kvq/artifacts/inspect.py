@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm_kvq.artifacts.oscar import OscarArtifact
@@ -32,21 +34,20 @@ def summary(art: OscarArtifact) -> str:
     ]
     if "tier_search" in art.provenance:
         lines.append(f"tiers chosen per layer at {art.provenance['tier_search']['bytes_per_token']} B per token by "
-                     "their error on the held-out window (relative attention-output error, predicted)")
+                     "the held-out window: relative attention-output errors of K and V, and the predicted KL of "
+                     "the model's next-token distribution from them")
     prov = {k: v for k, v in art.provenance.items() if k not in ("clip_fit", "tier_search")}
-    if prov:
-        lines.append(f"provenance: {prov}")
-    lines.append("layer  k_clip  v_clip  tiers                              predicted error  K spectrum"
-                 "                          V spectrum")
+    lines += [f"provenance: {prov}"] if prov else []
+    lines.append("layer  k_clip  v_clip  tiers                              held-out error                  "
+                 "K spectrum                          V spectrum")
     for layer in art.layers:
-        ks = _spectrum(art.eigenvalues["k"][layer]) if layer in art.eigenvalues.get("k", {}) else "-"
-        vs = _spectrum(art.eigenvalues["v"][layer]) if layer in art.eigenvalues.get("v", {}) else "-"
+        ks, vs = (_spectrum(art.eigenvalues[k][layer]) if layer in art.eigenvalues.get(k, {}) else "-" for k in "kv")
         tiers = "INT2" if art.tiers is None else str(art.tiers[layer])
         err = search.get(str(layer), {})
-        predicted = (f"{err['predicted_error']:.4f} (K {err['k_error']:.4f}, V {err['v_error']:.4f})"
+        predicted = (f"K {err['k_error']:.4f} V {err['v_error']:.4f} KL {err['predicted_kl']:.1e}"
                      if err else "-")
         lines.append(f"{layer:>5}  {art.k_clip[layer]:.3f}   {art.v_clip[layer]:.3f}   {tiers:<33}  "
-                     f"{predicted:<15}  {ks:<34}  {vs}")
+                     f"{predicted:<30}  {ks:<34}  {vs}")
     return "\n".join(lines)
 
 
@@ -54,10 +55,8 @@ def stepquant_summary(plan) -> str:
     """Per GDN layer: widths per budget, pivots, ℓ / half-life, spread of w, record size."""
     from vllm_kvq.kernels.stepquant.format import fp32_state_bytes
 
-    fp = plan.fingerprint
-    hv, k, v = plan.num_v_heads, plan.k_dim, plan.v_dim
+    fp, s, hv, k, v = plan.fingerprint, plan.settings, plan.num_v_heads, plan.k_dim, plan.v_dim
     fp32 = fp32_state_bytes(hv, k, v)
-    s = plan.settings
     lines = [
         f"artifact {plan.source}: valid (STEPQuant state plan)",
         f"model: {fp.get('architecture')} layers={fp.get('num_hidden_layers')} hidden={fp.get('hidden_size')}",
@@ -71,21 +70,19 @@ def stepquant_summary(plan) -> str:
         lines.append(f"provenance: {plan.provenance}")
     for layer in plan.layers:
         lines.append(f"layer {layer}:")
-        if layer in plan.log_decay:
+        if layer in plan.log_decay:  # half-life: log 2 / (−ℓ) tokens (inf at ℓ = 0)
             ell = plan.log_decay[layer].double()
-            hl = plan.half_life(layer)
+            half_life = torch.where(ell < 0, math.log(2.0) / (-ell), math.inf)
             lines.append("  log decay  " + " ".join(f"{x:9.4f}" for x in ell.tolist()))
-            lines.append("  half-life  " + " ".join(f"{x:9.2f}" for x in hl.tolist()) + "  tokens")
+            lines.append("  half-life  " + " ".join(f"{x:9.2f}" for x in half_life.tolist()) + "  tokens")
         w = plan.impact(layer).double()
         spread = (w.max(-1).values / w.min(-1).values).tolist()
         lines.append("  w max/min  " + " ".join(f"{x:9.2f}" for x in spread))
         for b in plan.budgets:
             layout = plan.layout(b, layer)
-            piv = plan.pivots(b, layer)
-            lines.append(
-                f"  @{b}: widths {list(plan.head_bits(b, layer))} pivots {piv or '-'} "
-                f"{layout.bits_per_value():.3f} bits/value, {layout.packed_bytes:,} B "
-                f"({fp32 / layout.packed_bytes:.2f}x smaller than FP32)")
+            lines.append(f"  @{b}: widths {list(plan.head_bits(b, layer))} pivots {plan.pivots(b, layer) or '-'} "
+                         f"{layout.bits_per_value():.3f} bits/value, {layout.packed_bytes:,} B "
+                         f"({fp32 / layout.packed_bytes:.2f}x smaller than FP32)")
     for b in plan.budgets:
         page = max(plan.layout(b, layer).packed_bytes for layer in plan.layers)
         lines.append(f"@{b}: state page {page:,} B per layer and request (largest layer) vs {fp32:,} B FP32 "

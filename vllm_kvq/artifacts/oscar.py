@@ -40,6 +40,8 @@ KIND = "oscar"
 GRANULARITIES = ("layer", "kv_head")
 ORTHOGONALITY_TOL = 1e-3
 DEFAULT_SINK, DEFAULT_WINDOW = 64, 256
+REQUIRED = ("model_fingerprint", "head_dim", "num_kv_heads", "layers", "granularity", "k_clip", "v_clip")
+OPTIONAL = ("sink", "window", "tiers", "provenance", "group_size")
 
 
 @dataclass
@@ -67,36 +69,23 @@ class OscarArtifact:
     source: str = "<memory>"
 
     def layer_tiers(self, layer: int) -> LayerTiers:
-        if self.tiers is None:
-            return LayerTiers.int2_only(self.head_dim)
-        return self.tiers[layer]
+        return LayerTiers.int2_only(self.head_dim) if self.tiers is None else self.tiers[layer]
 
     @property
     def bytes_per_token(self) -> int:
         """Bytes per token and KV head of every layer's rows."""
         return self.layer_tiers(self.layers[0]).bytes_per_token
 
-    # ------------------------------------------------------------------ I/O
     def save(self, directory: str | Path) -> Path:
         self.validate()
-        tensors = {}
-        for layer in self.layers:
-            tensors[f"k_rotation.{layer}"] = self.k_rotation[layer].float()
-            tensors[f"v_rotation.{layer}"] = self.v_rotation[layer].float()
-        for kind, table in self.eigenvalues.items():
-            for layer, ev in table.items():
-                tensors[f"{kind}_eigenvalues.{layer}"] = ev.float()
-        for kind, table in self.fill.items():
-            for layer, f in table.items():
-                tensors[f"{kind}_fill.{layer}"] = f.float()
+        tensors = {f"{kind}_rotation.{layer}": getattr(self, f"{kind}_rotation")[layer].float()
+                   for kind in "kv" for layer in self.layers}
+        for name, table in (("eigenvalues", self.eigenvalues), ("fill", self.fill)):
+            tensors.update({f"{kind}_{name}.{layer}": t.float() for kind, per in table.items()
+                            for layer, t in per.items()})
         manifest = {
-            "model_fingerprint": self.fingerprint,
-            "head_dim": self.head_dim,
-            "num_kv_heads": self.num_kv_heads,
-            "layers": self.layers,
-            "granularity": self.granularity,
-            "sink": self.sink,
-            "window": self.window,
+            "model_fingerprint": self.fingerprint, "head_dim": self.head_dim, "num_kv_heads": self.num_kv_heads,
+            "layers": self.layers, "granularity": self.granularity, "sink": self.sink, "window": self.window,
             "k_clip": {str(k): v for k, v in self.k_clip.items()},
             "v_clip": {str(k): v for k, v in self.v_clip.items()},
             "provenance": self.provenance,
@@ -111,42 +100,20 @@ class OscarArtifact:
         manifest, tensors = container.read(directory, KIND, REQUIRED, OPTIONAL)
         where = f"artifact {directory}"
         page = _page_fields(manifest, where)
-        layers = page.layers
 
-        def per_layer(name: str, required: bool = True) -> dict[int, torch.Tensor]:
-            out = {}
-            for layer in layers:
-                key = f"{name}.{layer}"
-                if key in tensors:
-                    out[layer] = tensors[key]
-                elif required:
-                    raise ArtifactError(f"{where}: missing tensor {key!r} for layer {layer}")
-            return out
+        def table(name: str, required: bool = False) -> dict[int, torch.Tensor]:
+            return container.per_layer(tensors, name, page["layers"], where, required)
 
-        art = cls(
-            fingerprint=manifest["model_fingerprint"],
-            head_dim=page.head_dim,
-            num_kv_heads=int(manifest["num_kv_heads"]),
-            layers=layers,
-            granularity=manifest["granularity"],
-            k_rotation=per_layer("k_rotation"),
-            v_rotation=per_layer("v_rotation"),
-            k_clip=page.k_clip,
-            v_clip=page.v_clip,
-            sink=page.sink,
-            window=page.window,
-            provenance=manifest.get("provenance", {}),
-            eigenvalues={kind: per_layer(f"{kind}_eigenvalues", False) for kind in ("k", "v")},
-            tiers=page.tiers,
-            fill={kind: per_layer(f"{kind}_fill", False) for kind in ("k", "v")},
-            source=str(directory),
-        )
+        art = cls(fingerprint=manifest["model_fingerprint"], num_kv_heads=int(manifest["num_kv_heads"]),
+                  granularity=manifest["granularity"], k_rotation=table("k_rotation", True),
+                  v_rotation=table("v_rotation", True), provenance=manifest.get("provenance", {}),
+                  eigenvalues={k: table(f"{k}_eigenvalues") for k in "kv"},
+                  fill={k: table(f"{k}_fill") for k in "kv"}, source=str(directory), **page)
         art.validate()
         if expected_fingerprint is not None:
             art.check_model(expected_fingerprint)
         return art
 
-    # ----------------------------------------------------------- validation
     def validate(self) -> None:
         where = f"artifact {self.source}"
         if self.granularity not in GRANULARITIES:
@@ -155,29 +122,20 @@ class OscarArtifact:
             raise ArtifactError(f"{where}: sink {self.sink} and window {self.window} must be >= 0")
         d, h = self.head_dim, self.num_kv_heads
         want = (d, d) if self.granularity == "layer" else (h, d, d)
-        for kind, table in (("k_rotation", self.k_rotation), ("v_rotation", self.v_rotation)):
+        for kind in "kv":
             for layer in self.layers:
-                r = table[layer]
-                name = f"{kind}.{layer}"
-                if tuple(r.shape) != want:
-                    raise ArtifactError(
-                        f"{where}: {name} has shape {tuple(r.shape)}, expected {want} "
-                        f"(granularity {self.granularity}, head_dim {d}, {h} KV heads)"
-                    )
-                r64 = container.finite(where, name, r)
+                name = f"{kind}_rotation.{layer}"
+                r64 = container.checked(where, name, getattr(self, f"{kind}_rotation")[layer], want,
+                                        f" (granularity {self.granularity}, head_dim {d}, {h} KV heads)")
                 err = float(np.abs(np.swapaxes(r64, -1, -2) @ r64 - np.eye(d)).max())
                 if err > ORTHOGONALITY_TOL:
-                    raise ArtifactError(
-                        f"{where}: {name} is not orthogonal (max |R^T R - I| = {err:.3g} > "
-                        f"{ORTHOGONALITY_TOL}); re-run calibration"
-                    )
-        for kind, table in (("k_clip", self.k_clip), ("v_clip", self.v_clip)):
-            for layer in self.layers:
-                if layer not in table:
-                    raise ArtifactError(f"{where}: {kind} has no entry for layer {layer}")
-                c = table[layer]
+                    raise ArtifactError(f"{where}: {name} is not orthogonal (max |R^T R - I| = {err:.3g} > "
+                                        f"{ORTHOGONALITY_TOL}); re-run calibration")
+                c = getattr(self, f"{kind}_clip").get(layer)
+                if c is None:
+                    raise ArtifactError(f"{where}: {kind}_clip has no entry for layer {layer}")
                 if not (math.isfinite(c) and 0.0 < c <= 1.0):
-                    raise ArtifactError(f"{where}: {kind}[{layer}] = {c} is not in (0, 1]")
+                    raise ArtifactError(f"{where}: {kind}_clip[{layer}] = {c} is not in (0, 1]")
         if self.tiers is not None:
             self._validate_tiers(where)
 
@@ -194,20 +152,14 @@ class OscarArtifact:
             except TierError as e:
                 raise ArtifactError(str(e)) from e
             sizes[layer] = t.bytes_per_token
-            for kind in ("k", "v"):
-                w0 = getattr(t, kind).zero
-                f = self.fill.get(kind, {}).get(layer)
-                name = f"{kind}_fill.{layer}"
-                if not w0:
-                    continue
-                if f is None:
+            for kind in "kv":
+                w0, name = getattr(t, kind).zero, f"{kind}_fill.{layer}"
+                if w0 and layer not in self.fill.get(kind, {}):
                     raise ArtifactError(f"{where}: missing tensor {name!r}, the mean of layer {layer}'s 0-bit {kind} "
                                         f"tier; re-run {container.MAKE[KIND]}")
-                if tuple(f.shape) != (self.num_kv_heads, w0):
-                    raise ArtifactError(f"{where}: {name} has shape {tuple(f.shape)}, expected "
-                                        f"({self.num_kv_heads}, {w0}) ({self.num_kv_heads} KV heads, {w0} 0-bit "
-                                        "columns)")
-                container.finite(where, name, f)
+                if w0:
+                    container.checked(where, name, self.fill[kind][layer], (self.num_kv_heads, w0),
+                                      f" ({self.num_kv_heads} KV heads, {w0} 0-bit columns)")
         if len(set(sizes.values())) > 1:
             raise ArtifactError(f"{where}: layers' tiers take different bytes per token {sizes}; vLLM gives every "
                                 f"layer one page size, so re-run {container.MAKE[KIND]}")
@@ -216,21 +168,15 @@ class OscarArtifact:
         """Fail unless this artifact was made for a model with this fingerprint."""
         where = f"artifact {self.source}"
         container.check_fingerprint(where, self.fingerprint, fingerprint, KIND)
-        want_layers = fingerprint.get("attention_layers")
-        if want_layers is not None and sorted(self.layers) != sorted(want_layers):
-            missing = sorted(set(want_layers) - set(self.layers))
-            raise ArtifactError(f"{where}: missing layers {missing} of the model's attention layers")
+        want = fingerprint.get("attention_layers")
+        if want is not None and sorted(self.layers) != sorted(want):
+            raise ArtifactError(f"{where}: missing layers {sorted(set(want) - set(self.layers))} of the model's "
+                                "attention layers")
 
-    # --------------------------------------------------------------- access
     def rotation_for(self, kind: str, layer: int, kv_heads: list[int]) -> torch.Tensor:
         """``[len(kv_heads), D, D]`` fp32 rotations of the given global KV heads."""
-        table = self.k_rotation if kind == "k" else self.v_rotation
-        if layer not in table:
-            raise ArtifactError(f"artifact {self.source}: no rotation for layer {layer}")
-        r = table[layer].float()
-        if r.dim() == 2:
-            return r.unsqueeze(0).expand(len(kv_heads), -1, -1).contiguous()
-        return r[kv_heads].contiguous()
+        r = getattr(self, f"{kind}_rotation")[layer].float()
+        return (r.expand(len(kv_heads), -1, -1) if r.dim() == 2 else r[kv_heads]).contiguous()
 
     def fill_for(self, kind: str, layer: int, kv_heads: list[int]) -> torch.Tensor | None:
         """``[len(kv_heads), width0]`` fp32 means of the 0-bit columns of the given global
@@ -240,64 +186,40 @@ class OscarArtifact:
         return self.fill[kind][layer].float()[kv_heads].contiguous()
 
 
-REQUIRED = ("model_fingerprint", "head_dim", "num_kv_heads", "layers", "granularity", "k_clip", "v_clip")
-OPTIONAL = ("sink", "window", "tiers", "provenance", "group_size")
+def read_page_fields(directory: str | Path) -> dict:
+    """What an artifact fixes about its pages (head_dim, layers, sink, window,
+    clip ratios, tiers), from its manifest alone: page sizes are needed
+    before any layer loads tensors."""
+    return _page_fields(container.read_manifest(directory, KIND, REQUIRED, OPTIONAL), f"artifact {directory}")
 
 
-@dataclass(frozen=True)
-class PageFields:
-    """What an artifact fixes about the pages it is served with: read from its
-    manifest alone (page sizes are needed before any layer loads tensors)."""
+def _page_fields(manifest: dict, where: str) -> dict:
+    def clips(raw) -> dict[int, float]:
+        if isinstance(raw, (int, float)):
+            return {layer: float(raw) for layer in layers}
+        return {int(k): float(v) for k, v in raw.items()}
 
-    head_dim: int
-    layers: list[int]
-    sink: int
-    window: int
-    k_clip: dict[int, float]
-    v_clip: dict[int, float]
-    tiers: dict[int, LayerTiers] | None
-
-
-def read_page_fields(directory: str | Path) -> PageFields:
-    manifest = container.header(directory, f"point kvq.artifact at a directory made by {container.MAKE[KIND]}")
-    if manifest.get("kind", KIND) != KIND:
-        container.read(directory, KIND, REQUIRED)  # raises the kind mismatch with its fix
-    missing = [k for k in REQUIRED if k not in manifest]
-    if missing:
-        raise ArtifactError(f"artifact {directory}: manifest lacks {missing}; re-run {container.MAKE[KIND]}")
-    return _page_fields(manifest, f"artifact {directory}")
-
-
-def _page_fields(manifest: dict, where: str) -> PageFields:
     try:
         layers = [int(x) for x in manifest["layers"]]
-        head_dim = int(manifest["head_dim"])
-        fields = dict(head_dim=head_dim, layers=layers, sink=int(manifest.get("sink", DEFAULT_SINK)),
-                      window=int(manifest.get("window", DEFAULT_WINDOW)),
-                      k_clip=_clips(manifest["k_clip"], layers), v_clip=_clips(manifest["v_clip"], layers))
+        fields = dict(head_dim=int(manifest["head_dim"]), layers=layers,
+                      sink=int(manifest.get("sink", DEFAULT_SINK)), window=int(manifest.get("window", DEFAULT_WINDOW)),
+                      k_clip=clips(manifest["k_clip"]), v_clip=clips(manifest["v_clip"]))
     except (TypeError, ValueError, AttributeError) as e:
         raise ArtifactError(f"{where}: malformed manifest field ({e}); re-run {container.MAKE[KIND]}") from e
-    group = manifest.get("group_size", head_dim)
-    if group != head_dim:
+    group = manifest.get("group_size", fields["head_dim"])
+    if group != fields["head_dim"]:
         raise ArtifactError(
             f"{where} quantizes rows in groups of {group}, which this release no longer serves (each stored "
             f"tier is one group); re-run {container.MAKE[KIND]}")
-    tiers = _tiers(manifest, layers, where) if "tiers" in manifest else None
-    return PageFields(tiers=tiers, **fields)
-
-
-def _clips(raw, layers: list[int]) -> dict[int, float]:
-    if isinstance(raw, (int, float)):
-        return {layer: float(raw) for layer in layers}
-    return {int(k): float(v) for k, v in raw.items()}
+    fields["tiers"] = _tiers(manifest, layers, where) if "tiers" in manifest else None
+    return fields
 
 
 def _tiers(manifest: dict, layers: list[int], where: str) -> dict[int, LayerTiers]:
     raw = manifest["tiers"]
     try:
         if manifest["format_version"] == 1:  # one plan for every layer
-            one = LayerTiers.from_json(raw, f"{where}: tiers")
-            return {layer: one for layer in layers}
+            return dict.fromkeys(layers, LayerTiers.from_json(raw, f"{where}: tiers"))
         if not isinstance(raw, dict):
             raise TierError(f"{where}: tiers must map each layer to its tiers")
         return {int(layer): LayerTiers.from_json(t, f"{where}: layer {layer} tiers") for layer, t in raw.items()}

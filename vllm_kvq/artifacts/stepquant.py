@@ -17,8 +17,6 @@ impact w is fixed; the online codec refits row and column scales every step.
 
 from __future__ import annotations
 
-import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +30,7 @@ from vllm_kvq.kernels.stepquant.format import PIVOT, PIVOT_BUDGET_BITS, WIDTHS, 
 KIND = "stepquant"
 DISTORTION_WIDTHS = WIDTHS  # columns of distortion.<layer>
 GEO_MEAN_TOL = 1e-3
+TABLES = ("log_decay", "omega", "distortion")  # optional per-layer tensors besides the impact
 
 
 @dataclass
@@ -54,20 +53,20 @@ class StepQuantPlan:
     provenance: dict = field(default_factory=dict)
     source: str = "<memory>"
 
-    # --------------------------------------------------------------- access
     def head_bits(self, budget: int, layer: int) -> tuple[int, ...]:
         """Widths of the layer's value heads at nominal ``budget`` (16 = FP16 pivot)."""
         if budget not in self.bits:
             raise ArtifactError(f"artifact {self.source}: no plan for budget {budget}; it has {self.budgets}")
-        if layer not in self.bits[budget]:
-            raise ArtifactError(f"artifact {self.source}: layer {layer} is not a GDN layer of the plan {self.layers}")
-        return tuple(self.bits[budget][layer])
+        return tuple(self.bits[budget][self._gdn_layer(layer)])
 
     def impact(self, layer: int) -> torch.Tensor:
         """w ``[num_v_heads, k_dim]`` fp32 for the layer."""
-        if layer not in self.impacts:
+        return self.impacts[self._gdn_layer(layer)].float()
+
+    def _gdn_layer(self, layer: int) -> int:
+        if layer not in self.layers:
             raise ArtifactError(f"artifact {self.source}: layer {layer} is not a GDN layer of the plan {self.layers}")
-        return self.impacts[layer].float()
+        return layer
 
     def pivots(self, budget: int, layer: int) -> list[int]:
         return [h for h, b in enumerate(self.head_bits(budget, layer)) if b == PIVOT]
@@ -76,90 +75,48 @@ class StepQuantPlan:
         """Packed record layout of the layer's full state (all heads, no padding)."""
         return StateLayout(self.head_bits(budget, layer), self.k_dim, self.v_dim)
 
-    # ------------------------------------------------------------------ I/O
     def save(self, directory: str | Path) -> Path:
         self.validate()
-        tensors = {}
-        for layer in self.layers:
-            tensors[f"impact.{layer}"] = self.impacts[layer].float()
-            for name, table in (("log_decay", self.log_decay), ("omega", self.omega),
-                                ("distortion", self.distortion)):
-                if layer in table:
-                    tensors[f"{name}.{layer}"] = table[layer].double()
+        tensors = {f"impact.{layer}": self.impacts[layer].float() for layer in self.layers}
+        for name in TABLES:
+            tensors.update({f"{name}.{layer}": getattr(self, name)[layer].double() for layer in self.layers
+                            if layer in getattr(self, name)})
         manifest = {
-            "model_fingerprint": self.fingerprint,
-            "layers": self.layers,
-            "num_v_heads": self.num_v_heads,
-            "num_k_heads": self.num_k_heads,
-            "k_dim": self.k_dim,
-            "v_dim": self.v_dim,
-            "budgets": self.budgets,
+            "model_fingerprint": self.fingerprint, "layers": self.layers, "num_v_heads": self.num_v_heads,
+            "num_k_heads": self.num_k_heads, "k_dim": self.k_dim, "v_dim": self.v_dim, "budgets": self.budgets,
             "bits": {str(b): {str(layer): list(self.bits[b][layer]) for layer in self.layers} for b in self.budgets},
-            "settings": self.settings,
-            "provenance": self.provenance,
+            "settings": self.settings, "provenance": self.provenance,
         }
         return container.write(directory, KIND, manifest, tensors)
 
     @classmethod
     def load(cls, directory: str | Path, expected_fingerprint: dict | None = None) -> "StepQuantPlan":
         """Read and validate a plan; raise ArtifactError on any defect."""
-        path = Path(directory)
-        where = f"artifact {path}"
+        where = f"artifact {Path(directory)}"
         manifest, tensors = container.read(
-            path, KIND, ("model_fingerprint", "layers", "num_v_heads", "k_dim", "v_dim", "budgets", "bits"),
+            directory, KIND, ("model_fingerprint", "layers", "num_v_heads", "k_dim", "v_dim", "budgets", "bits"),
             ("num_k_heads", "settings", "provenance"))
         try:
             layers = [int(x) for x in manifest["layers"]]
             budgets = [int(b) for b in manifest["budgets"]]
-            raw_bits = manifest["bits"]
-            bits = {}
-            for b in budgets:
-                if str(b) not in raw_bits:
-                    raise ArtifactError(f"{where}: no widths for budget {b}")
-                per_layer = raw_bits[str(b)]
-                bits[b] = {}
-                for layer in layers:
-                    if str(layer) not in per_layer:
-                        raise ArtifactError(f"{where}: budget {b} has no widths for layer {layer}")
-                    bits[b][layer] = tuple(int(x) for x in per_layer[str(layer)])
+            raw = manifest["bits"]
+            bits = {b: {layer: tuple(int(x) for x in raw[str(b)][str(layer)]) for layer in layers
+                        if str(layer) in raw[str(b)]} for b in budgets if str(b) in raw}
         except (TypeError, ValueError, AttributeError) as e:
-            if isinstance(e, ArtifactError):
-                raise
             raise ArtifactError(f"{where}: malformed layers/budgets/bits in {MANIFEST} ({e})") from e
-
-        def table(name: str, required: bool = False) -> dict[int, torch.Tensor]:
-            out = {}
-            for layer in layers:
-                key = f"{name}.{layer}"
-                if key in tensors:
-                    out[layer] = tensors[key]
-                elif required:
-                    raise ArtifactError(f"{where}: missing tensor {key!r} for layer {layer}")
-            return out
-
         plan = cls(
-            fingerprint=manifest["model_fingerprint"],
-            layers=layers,
-            num_v_heads=int(manifest["num_v_heads"]),
-            k_dim=int(manifest["k_dim"]),
-            v_dim=int(manifest["v_dim"]),
-            budgets=budgets,
-            bits=bits,
-            impacts=table("impact", required=True),
-            log_decay=table("log_decay"),
-            omega=table("omega"),
-            distortion=table("distortion"),
-            num_k_heads=manifest.get("num_k_heads"),
-            settings=manifest.get("settings", {}),
-            provenance=manifest.get("provenance", {}),
-            source=str(path),
+            fingerprint=manifest["model_fingerprint"], layers=layers, num_v_heads=int(manifest["num_v_heads"]),
+            k_dim=int(manifest["k_dim"]), v_dim=int(manifest["v_dim"]), budgets=budgets, bits=bits,
+            impacts=container.per_layer(tensors, "impact", layers, where),
+            **{name: container.per_layer(tensors, name, layers, where) for name in TABLES},
+            num_k_heads=manifest.get("num_k_heads"), settings=manifest.get("settings", {}),
+            provenance=manifest.get("provenance", {}), source=str(Path(directory)),
         )
         plan.validate()
         if expected_fingerprint is not None:
             plan.check_model(expected_fingerprint)
         return plan
 
-    # ----------------------------------------------------------- validation
     def validate(self) -> None:
         where = f"artifact {self.source}"
         fix = "re-run `vllm-kvq calibrate --stepquant`"
@@ -174,41 +131,33 @@ class StepQuantPlan:
             raise ArtifactError(f"{where}: bad geometry num_v_heads={hv} k_dim={k} v_dim={self.v_dim}")
         allowed = set(WIDTHS) | {PIVOT}
         for b in self.budgets:
+            if b not in self.bits:
+                raise ArtifactError(f"{where}: no widths for budget {b}")
             for layer in self.layers:
-                widths = self.bits.get(b, {}).get(layer)
+                widths = self.bits[b].get(layer)
                 if widths is None:
                     raise ArtifactError(f"{where}: budget {b} has no widths for layer {layer}")
                 if len(widths) != hv:
-                    raise ArtifactError(
-                        f"{where}: budget {b} layer {layer} has {len(widths)} widths, expected {hv} (one per value head)")
-                bad = sorted({w for w in widths if w not in allowed})
-                if bad:
-                    raise ArtifactError(
-                        f"{where}: budget {b} layer {layer} has widths {bad}; allowed are {sorted(allowed)} (16 = pivot)")
-                spent = sum(PIVOT_BUDGET_BITS if w == PIVOT else w for w in widths)
-                if spent > b * hv:
-                    raise ArtifactError(
-                        f"{where}: budget {b} layer {layer} spends {spent} bits > {b}x{hv} = {b * hv} "
-                        f"(a pivot counts as 8); {fix}")
+                    raise ArtifactError(f"{where}: budget {b} layer {layer} has {len(widths)} widths, expected {hv} "
+                                        "(one per value head)")
+                if bad := sorted({w for w in widths if w not in allowed}):
+                    raise ArtifactError(f"{where}: budget {b} layer {layer} has widths {bad}; allowed are "
+                                        f"{sorted(allowed)} (16 = pivot)")
+                if (spent := sum(PIVOT_BUDGET_BITS if w == PIVOT else w for w in widths)) > b * hv:
+                    raise ArtifactError(f"{where}: budget {b} layer {layer} spends {spent} bits > {b}x{hv} = "
+                                        f"{b * hv} (a pivot counts as 8); {fix}")
         for layer in self.layers:
-            w = self.impacts.get(layer)
-            if w is None:
-                raise ArtifactError(f"{where}: missing tensor 'impact.{layer}' for layer {layer}")
             name = f"impact.{layer}"
-            if tuple(w.shape) != (hv, k):
-                raise ArtifactError(f"{where}: {name} has shape {tuple(w.shape)}, expected ({hv}, {k})")
-            w64 = container.as_numpy(w)
-            if not np.isfinite(w64).all():
-                raise ArtifactError(f"{where}: {name} contains NaN or Inf; {fix}")
+            if layer not in self.impacts:
+                raise ArtifactError(f"{where}: missing tensor {name!r} for layer {layer}")
+            w64 = container.checked(where, name, self.impacts[layer], (hv, k))
             if not (w64 > 0).all():
                 raise ArtifactError(f"{where}: {name} has non-positive entries; impacts must be > 0; {fix}")
-            drift = float(np.abs(np.log(w64).mean(-1)).max())
-            if drift > GEO_MEAN_TOL:
-                raise ArtifactError(
-                    f"{where}: {name} is not normalised (|mean log w| = {drift:.3g} per head, want 0); {fix}")
-            for tname, table, shape in (("log_decay", self.log_decay, (hv,)), ("omega", self.omega, (hv, k)),
-                                        ("distortion", self.distortion, (hv, len(DISTORTION_WIDTHS)))):
-                t = table.get(layer)
+            if (drift := float(np.abs(np.log(w64).mean(-1)).max())) > GEO_MEAN_TOL:
+                raise ArtifactError(f"{where}: {name} is not normalised (|mean log w| = {drift:.3g} per head, want "
+                                    f"0); {fix}")
+            for tname, shape in zip(TABLES, ((hv,), (hv, k), (hv, len(DISTORTION_WIDTHS)))):
+                t = getattr(self, tname).get(layer)
                 if t is None:
                     continue
                 if tuple(t.shape) != shape:
@@ -227,13 +176,5 @@ class StepQuantPlan:
         if attn is not None and n is not None:
             want = [i for i in range(int(n)) if i not in set(attn)]
             if sorted(self.layers) != want:
-                raise ArtifactError(
-                    f"{where} covers GDN layers {sorted(self.layers)} but the model's are {want}; "
-                    "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`"
-                )
-
-    # -------------------------------------------------------------- summary
-    def half_life(self, layer: int) -> torch.Tensor:
-        """Gate half-life log 2 / (−ℓ) in tokens per head (inf at ℓ = 0)."""
-        ell = self.log_decay[layer].double()
-        return torch.where(ell < 0, math.log(2.0) / (-ell), torch.full_like(ell, math.inf))
+                raise ArtifactError(f"{where} covers GDN layers {sorted(self.layers)} but the model's are {want}; "
+                                    "calibrate this model with `vllm-kvq calibrate MODEL --stepquant`")

@@ -49,8 +49,7 @@ def _groups(linear: nn.Module) -> tuple[torch.Tensor, list[tuple[slice, slice, t
         raise NotImplementedError(
             f"OSCAR cannot read this FP8 layout (weight {tuple(linear.weight.shape)}, "
             f"scale {tuple(scale.shape)}, shards {widths}); use kvq.rotation='none'")
-    starts = [sum(widths[:i]) for i in range(len(widths))]
-    return scale, [(slice(s, s + w), slice(0, cols), (i,)) for i, (s, w) in enumerate(zip(starts, widths))]
+    return scale, [(slice(sum(widths[:i]), sum(widths[: i + 1])), slice(0, cols), (i,)) for i in range(len(widths))]
 
 
 def dequantize(linear: nn.Module) -> torch.Tensor:
@@ -66,12 +65,8 @@ def requantize(linear: nn.Module, dense: torch.Tensor, rows: slice, cols: slice)
     """Store ``dense`` (fp32, the whole weight) back into the FP8 codes,
     refitting only the scale groups that intersect ``rows`` x ``cols``."""
     scale, groups = _groups(linear)
-
-    def overlaps(a: slice, b: slice) -> bool:
-        return a.start < b.stop and b.start < a.stop
-
     for r, c, idx in groups:
-        if not (overlaps(r, rows) and overlaps(c, cols)):
+        if not (r.start < rows.stop and rows.start < r.stop and c.start < cols.stop and cols.start < c.stop):
             continue
         part = dense[r, c]
         s = (part.abs().amax() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)

@@ -118,7 +118,7 @@ class TokenIndex:
 @dataclass
 class OscarMetadata:
     num_actual_tokens: int
-    num_decodes: int  # leading requests with a single query token (one token each)
+    num_decodes: int  # leading requests of decode_query_len tokens each (the Triton decode path)
     block_table: torch.Tensor
     # reference path (CPU, or kernels "reference"): host copies
     query_start_loc: list[int] | None = None
@@ -129,6 +129,8 @@ class OscarMetadata:
     decode_slots: torch.Tensor | None = None
     # ... the multi-token chunks an index built per step (never captured)
     chunks: TokenIndex | None = None
+    # query tokens of each decode request: 1, or 1 + drafts when verifying
+    decode_query_len: int = 1
 
     @property
     def triton(self) -> bool:
@@ -136,10 +138,11 @@ class OscarMetadata:
 
 
 class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
-    # The Triton path: full CUDA graphs for batches of single-token requests
-    # (their padding rows have length 0 and slot -1 and write nothing); batches
-    # with a multi-token chunk run eagerly (or piecewise). The reference path:
-    # never (get_cudagraph_support).
+    # The Triton path: full CUDA graphs for batches of uniform decode requests
+    # (one token each, or 1 + k with k speculative tokens; their padding rows
+    # have length 0 and slot -1 and write nothing); batches with a longer
+    # chunk run eagerly (or piecewise). The reference path: never
+    # (get_cudagraph_support).
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
@@ -148,14 +151,20 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
 
         s = kvq_settings.from_vllm_config(vllm_config)
         if uses_triton(s, torch.device(current_platform.device_type)):
+            if s.speculative_tokens:
+                return AttentionCGSupport.UNIFORM_BATCH  # verification steps of 1 + k tokens a request
             return cls._cudagraph_support
         return AttentionCGSupport.NEVER  # the reference ops loop over requests on the host
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        # Single-token requests first (the Triton decode path on CUDA).
-        self._init_reorder_batch_threshold(1)
         self._triton = uses_triton(kvq_settings.from_vllm_config(vllm_config), torch.device(device))
+        # Decode requests first: one token each, or on the Triton path up to
+        # 1 + k with k speculative tokens (the decode kernel takes them; the
+        # ring's k spare slots bound how many).
+        self._init_reorder_batch_threshold(1, supports_spec_as_decode=self._triton)
+        self._decode_max = 1 + kvq_settings.from_vllm_config(vllm_config).speculative_tokens if self._triton else 1
+        self._speculative = self._decode_max > 1
         # vLLM's host copy of the sequence lengths is exact without speculative decoding
         self._host_seq_lens_exact = getattr(vllm_config, "speculative_config", None) is None
 
@@ -172,8 +181,16 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
                 query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
                 seq_lens=m.seq_lens[:n].cpu().tolist(),
             )
-        if num_decode_tokens != num_decodes:
-            num_decodes = 0  # not one token per decode request: all through the chunk path
+        query_len = 1
+        if self._speculative:
+            # decodes of one length (1 + drafts, or 1 where none were proposed),
+            # then zero-length padding; the rest through the chunk path
+            num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
+                m, decode_threshold=self._decode_max, require_uniform=True)
+            if num_decodes:
+                query_len = max(int(m.query_start_loc_cpu[1] - m.query_start_loc_cpu[0]), 1)
+        if num_decode_tokens != num_decodes * query_len:
+            num_decodes = 0  # a zero-length row among the decodes: all through the chunk path
         # Decode-only batches (the ones replayed from CUDA graphs) take no host
         # step here: the store and decode kernels read seq_lens, the block
         # table and the slot mapping, which vLLM rewrites in place every step.
@@ -182,8 +199,9 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
             num_decodes=num_decodes,
             block_table=m.block_table_tensor[:n],
             decode_seq_lens=m.seq_lens[:num_decodes],
-            decode_slots=m.slot_mapping[:num_decodes],
+            decode_slots=m.slot_mapping[:num_decodes * query_len],
             chunks=self._chunk_index(m, num_decodes) if num_decodes < n else None,
+            decode_query_len=query_len,
         )
 
     def _chunk_index(self, m: CommonAttentionMetadata, num_decodes: int) -> TokenIndex:
@@ -373,9 +391,12 @@ class OscarImpl(AttentionImpl):
         return output
 
     def _forward_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:
-        """CUDA: single-token requests store then run the split-KV decode;
-        multi-token chunks store their INT2 rows, attend, then store their
-        BF16 rows (their early queries still read the ring rows they replace).
+        """CUDA: decode requests (one token each, or 1 + k drafts being
+        verified: each query row its own window edge) store then run the
+        split-KV decode; the ring's k spare slots keep every row those
+        queries read. Longer chunks store their INT2 rows, attend, then store
+        their BF16 rows (their early queries still read the ring rows they
+        replace).
 
         The decode half is what a full CUDA graph captures: it reads only
         device buffers that vLLM rewrites in place (seq_lens, block table,
@@ -389,19 +410,20 @@ class OscarImpl(AttentionImpl):
             if self._k_parts is None:
                 self._k_parts = triton_store.rotation_parts(self.k_rotation)
             rot = self._k_parts
-        nd, n = md.num_decodes, md.num_actual_tokens
+        ql, n = md.decode_query_len, md.num_actual_tokens
+        nd = md.num_decodes * ql  # decode query rows
         c = self._codec_on(q.device)
         if nd:
             seq = md.decode_seq_lens
             triton_store.store_decode_tokens(kv_cache, fmt, k[:nd], v[:nd], rot, seq, table, c.k_clip,
-                                             c.v_clip, slot_mapping=md.decode_slots)
+                                             c.v_clip, slot_mapping=md.decode_slots, query_len=ql)
             if self._sm_count is None:
                 self._sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
                                   if q.is_cuda else 1)
             splits = triton_decode.num_splits(nd, self.num_kv_heads, self.max_model_len, self._sm_count,
                                               fmt.block_size)
-            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:nd], seq, self.scale, splits, out[:nd],
-                                           fills=c.fills)
+            triton_decode.decode_attention(q[:nd], kv_cache, fmt, table[:md.num_decodes], seq, self.scale, splits,
+                                           out[:nd], fills=c.fills, query_len=ql)
         tok = md.chunks
         if tok is not None and n > nd:
             stop = nd + tok.positions.shape[0]  # past the chunks' tokens: padding, if any

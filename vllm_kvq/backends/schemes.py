@@ -28,21 +28,15 @@ class LayerCodec:
 @dataclass(frozen=True)
 class Scheme:
     name: str
-    rotates_keys: bool
-    """Keys are rotated by R_K (a per-channel key scheme keeps them unrotated)."""
-    triton: bool
-    """Has Triton store, decode and extend ops (else the reference ops everywhere)."""
-    own_keys: tuple[str, ...]
-    """``kvq`` settings only this scheme reads."""
-    page_format: Callable
-    """``(head_size, block_size, sink, window, layer tiers, settings) -> format``."""
+    rotates_keys: bool  # a per-channel key scheme keeps keys unrotated
+    triton: bool  # has Triton store, decode and extend ops (else the reference ops everywhere)
+    own_keys: tuple[str, ...]  # ``kvq`` settings only this scheme reads
+    page_format: Callable  # (head_size, block_size, sink, window, layer tiers, settings) -> format
     reference_step: Callable
     """``(kv_cache, format, LayerCodec) -> step(block_row, ctx, q, k, v) -> rows``:
     attend over the cached context plus the rows, then store them."""
-    check_settings: Callable = lambda s, error: None
-    """Raise ``error`` for settings the scheme cannot serve."""
-    takes_tiers: bool = True
-    """Serves an artifact's tiers (else it needs an artifact without them)."""
+    check_settings: Callable = lambda s, error: None  # raise ``error`` for settings it cannot serve
+    takes_tiers: bool = True  # serves an artifact's tiers
 
     @property
     def foreign_keys(self) -> set[str]:
@@ -67,8 +61,6 @@ def _kivi_step(kv_cache, fmt, c: LayerCodec):
 def _check_kivi(s, error) -> None:
     if not isinstance(s.key_group, int) or isinstance(s.key_group, bool) or s.key_group < 1:
         raise error(f"kvq.key_group must be a positive int, got {s.key_group!r}")
-    if s.key_pairs not in ("fp16", "int8"):
-        raise error(f"kvq.key_pairs must be 'fp16' or 'int8', got {s.key_pairs!r}")
     if s.k_clip not in (None, 1.0):
         raise error("kvq.scheme 'kivi' quantizes keys per channel, so per-token key clipping does not apply: "
                     "drop kvq.k_clip")

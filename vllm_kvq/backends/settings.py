@@ -30,72 +30,30 @@ class SettingsError(ValueError):
 
 @dataclass(frozen=True)
 class OscarSettings:
-    """Every key of ``additional_config["kvq"]`` (see docs/configuration.md)."""
+    """Every key of ``additional_config["kvq"]``; docs/configuration.md says
+    what each means. ``None``: the artifact's value, else the built-in default."""
 
     artifact: str | None = None
-    """Directory of a calibrated artifact. Required for rotation ``artifact``;
-    with ``none``/``hadamard`` it may still supply clip ratios, sink and window."""
-
-    rotation: str | None = None
-    """``artifact`` (the calibrated R_K/R_V), ``none`` (identity: naive INT2) or
-    ``hadamard`` (data-free Sylvester Hadamard). Default: ``artifact`` when an
-    artifact is given, else ``hadamard``."""
-
+    rotation: str | None = None  # ROTATION_MODES; default "artifact" with an artifact, else by scheme
     sink: int | None = None
-    """First tokens of every sequence kept in BF16. Default: the artifact's, else 64."""
-
     window: int | None = None
-    """Most recent tokens of every sequence kept in BF16. Default: the artifact's, else 256."""
-
     k_clip: float | None = None
-    """Per-token clip ratio of the keys' INT2 tier (1.0 = off). Default: the artifact's, else 1.0."""
-
     v_clip: float | None = None
-    """Per-token clip ratio of the values' INT2 tier. Default: the artifact's, else 1.0."""
-
-    override_artifact: bool = False
-    """Serve with a sink, window or clip ratio other than the artifact was
-    calibrated with (otherwise such a setting fails at start)."""
-
-    kernels: str = "auto"
-    """``auto``: Triton on CUDA, the PyTorch reference elsewhere. ``reference``:
-    the reference everywhere (slow; for debugging). ``triton``: Triton
-    everywhere (on CPU only under ``TRITON_INTERPRET=1``, for tests). For the
-    ``state`` pool on CUDA: decode steps run the fused STEPQuant step unless
-    this is ``reference`` (staged through vLLM's own ops, as prefill always is)."""
-
-    scheme: str = "oscar"
-    """The cache scheme (:mod:`vllm_kvq.backends.schemes`): ``oscar`` (rows
-    stored in the artifact's tiers; INT2 everywhere without tiers) or
-    ``kivi`` (a reference point: keys per channel, PyTorch reference ops only)."""
-
-    key_group: int = 32
-    """``kivi`` only: positions sharing one per-channel key (scale, min) pair."""
-
-    key_pairs: str = "fp16"
-    """``kivi`` only: ``fp16`` (scale, min) per channel and key group, or
-    ``int8`` (min, max) in steps of one fp16 step per group and head."""
-
-    state: str | None = None
-    """Gated-delta-net state pool: ``None`` keeps vLLM's own (FP32) states,
-    ``stepquant`` stores them with the calibrated plan of ``state_artifact``,
-    ``uniform`` stores every head at ``state_bits`` with one absmax scale per
-    key row (the baseline; 16 = FP16). Independent of the attention backend."""
-
+    override_artifact: bool = False  # serve a sink, window or clip other than the artifact's
+    kernels: str = "auto"  # KERNELS
+    scheme: str = "oscar"  # a key of backends.schemes.SCHEMES
+    key_group: int = 32  # kivi only
+    key_pairs: str = "fp16"  # kivi only
+    state: str | None = None  # STATE_POOLS; None keeps vLLM's own GDN states
     state_artifact: str | None = None
-    """Directory of a STEPQuant plan (``vllm-kvq calibrate --stepquant``)."""
-
     state_bits: int = 6
-    """Nominal bits per state value: 6 or 4 for ``stepquant`` (the plan holds
-    both), 4, 6, 8 or 16 for ``uniform``."""
+    speculative_tokens: int = 0  # not a kvq key: vLLM's draft tokens per step (the ring's spare slots)
 
     @property
     def rotation_mode(self) -> str:
         if self.rotation is not None:
             return self.rotation
-        if self.artifact:
-            return "artifact"
-        return "hadamard" if SCHEMES[self.scheme].rotates_keys else "none"
+        return "artifact" if self.artifact else "hadamard" if SCHEMES[self.scheme].rotates_keys else "none"
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> "OscarSettings":
@@ -103,12 +61,10 @@ class OscarSettings:
         for key, why in RETIRED.items():
             if key in raw:
                 raise SettingsError(f"kvq.{key} is no longer a setting: {why}; drop it")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise SettingsError(
-                f"unknown key(s) {unknown} in additional_config['{CONFIG_KEY}']; valid keys are {sorted(known)}"
-            )
+        known = {f.name for f in dataclasses.fields(cls)} - {"speculative_tokens"}
+        if unknown := sorted(set(raw) - known):
+            raise SettingsError(f"unknown key(s) {unknown} in additional_config['{CONFIG_KEY}']; valid keys are "
+                                f"{sorted(known)}")
         s = cls(**raw)
         s.validate()
         return s
@@ -130,10 +86,8 @@ class OscarSettings:
         if self.kernels not in KERNELS:
             raise SettingsError(f"kvq.kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.rotation_mode == "artifact" and not self.artifact:
-            raise SettingsError(
-                "kvq.rotation='artifact' needs kvq.artifact=<dir> "
-                "(make one with `vllm-kvq calibrate`), or use rotation 'hadamard'/'none'"
-            )
+            raise SettingsError("kvq.rotation='artifact' needs kvq.artifact=<dir> (make one with `vllm-kvq "
+                                "calibrate`), or use rotation 'hadamard'/'none'")
         for name in ("sink", "window"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
@@ -145,23 +99,17 @@ class OscarSettings:
                 raise SettingsError(f"kvq.{name} must be a number in (0, 1], got {value!r}")
         if not isinstance(self.override_artifact, bool):
             raise SettingsError(f"kvq.override_artifact must be true or false, got {self.override_artifact!r}")
-        self._validate_state()
-
-    def _validate_state(self) -> None:
-        if self.state is None:
-            if self.state_artifact:
-                raise SettingsError("kvq.state_artifact is set but kvq.state is not; add \"state\": \"stepquant\"")
-            return
-        if self.state not in STATE_POOLS:
+        if self.state is None and self.state_artifact:
+            raise SettingsError("kvq.state_artifact is set but kvq.state is not; add \"state\": \"stepquant\"")
+        if self.state is not None and self.state not in STATE_POOLS:
             raise SettingsError(f"kvq.state must be one of {STATE_POOLS} (or absent), got {self.state!r}")
         allowed = BUDGETS if self.state == "stepquant" else UNIFORM_BITS
-        if self.state_bits not in allowed:
-            raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got {self.state_bits!r}")
+        if self.state is not None and self.state_bits not in allowed:
+            raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got "
+                                f"{self.state_bits!r}")
         if self.state == "stepquant" and not self.state_artifact:
-            raise SettingsError(
-                "kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with "
-                "`vllm-kvq calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'"
-            )
+            raise SettingsError("kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with `vllm-kvq "
+                                "calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'")
 
 
 _cached: OscarSettings | None = None
@@ -170,8 +118,10 @@ _cached: OscarSettings | None = None
 def from_vllm_config(vllm_config) -> OscarSettings:
     """Parse (and cache for this process) the settings of a VllmConfig."""
     global _cached
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    _cached = OscarSettings.from_dict(extra.get(CONFIG_KEY))
+    speculative = getattr(vllm_config, "speculative_config", None)
+    drafts = (getattr(speculative, "num_speculative_tokens", None) or 0) if speculative is not None else 0
+    raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
+    _cached = dataclasses.replace(OscarSettings.from_dict(raw), speculative_tokens=drafts)
     return _cached
 
 
@@ -181,8 +131,4 @@ def current() -> OscarSettings:
     from vllm.config import get_current_vllm_config_or_none
 
     cfg = get_current_vllm_config_or_none()
-    if cfg is not None:
-        return from_vllm_config(cfg)
-    if _cached is None:
-        return OscarSettings()
-    return _cached
+    return from_vllm_config(cfg) if cfg is not None else _cached or OscarSettings()

@@ -42,13 +42,19 @@ def check_oscar_config(vllm_config) -> None:
         why = check_shapes(d)
         if why:
             raise ValueError(f"OSCAR: {why}; pass kvq.kernels 'reference' (the PyTorch reference ops; slow)")
-    if cache_config.enable_prefix_caching:
-        logger.warning(
-            "OSCAR keeps each request's BF16 sink/window rows in its own state blocks, "
-            "which a prefix-cache hit cannot restore: prefix caching is disabled "
-            "(pass --no-enable-prefix-caching to silence this)."
+    draft = vllm_config.speculative_config
+    if draft is not None and getattr(draft.attention_backend, "name", None) == "OSCAR":
+        raise ValueError(
+            "OSCAR serves the target model's layers, whose rotations an artifact holds; a draft model's layers "
+            "have none: drop attention_backend from the speculative config (the draft keeps vLLM's own cache)"
         )
-        cache_config.enable_prefix_caching = False
+    if draft is not None and draft.draft_model_config is not None:
+        logger.warning(
+            "OSCAR: the draft model's layers keep vLLM's BF16 pages (%d B per token and head), and vLLM pads "
+            "every OSCAR page to that size, so the KV cache holds about %.1fx fewer tokens than OSCAR alone; "
+            "ngram speculation has no draft layers and keeps OSCAR's capacity",
+            4 * d, 4 * d / fmt.bytes_per_token,
+        )
     tiers = cache_plan(s).tiers
     logger.info(
         "OSCAR: scheme=%s, rotation=%s (%s), tiers %s, sink=%d, window=%d, %d B/token/head, "

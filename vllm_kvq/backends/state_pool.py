@@ -4,11 +4,22 @@ vLLM keeps every GDN layer's recurrent state per request slot as
 ``[HV, V, K]`` in FP32. With ``kvq.state`` set, the slot's state bytes become
 one packed record (``kernels/stepquant/format.py``) and vLLM's page shrinks with
 it (the GDN seam, :mod:`vllm_kvq.hooks.gdn`, declares the record and stages
-vLLM's own GDN step around it). Here: a layer's pool (layout, impacts, its
-Triton step's tables), the codec calls, and the decode step on packed
-records in place: the fused Triton step (``kernels/stepquant/triton_step.py``)
-at the slots of vLLM's state indices, inside vLLM's page (the record's slot
-stride is the page size).
+vLLM's own GDN step around it). Here: a layer's pool (layout, impacts), the
+codec calls, and CUDA decode batches on the records in place, split
+(``kernels/stepquant/triton_step.py``): the foreground (readout) on the
+layer's stream, the writeback (fit and repack) on a second stream while later
+layers run.
+
+Stream rules. Per layer an event orders the writeback after its foreground
+(the record stays as it was until the foreground has read it); the model's
+forward ends by making its stream wait for the writebacks it started
+(:func:`join_writebacks`, called by the GDN seam), so the next step, staged
+or not, finds every record written; a foreground also waits for its layer's
+last writeback when it is not being captured. Each layer has its own scratch,
+allocated when the layer is built, so no two layers' writebacks share memory
+and a CUDA graph's pool never reuses it. vLLM's full decode graphs capture
+both streams (the fork and join are event waits inside the captured
+forward).
 """
 
 from __future__ import annotations
@@ -16,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vllm_kvq.backends import settings as kvq_settings
 from vllm_kvq.backends.resolve import pool_plan
@@ -35,7 +45,7 @@ class LayerPool:
     fit: str
     native_dtype: torch.dtype  # what vLLM's GDN kernels compute the state in
     kernels: str = "auto"  # kvq.kernels: "reference" keeps CUDA decode staged
-    step_plan: object = None  # the Triton step's tables on the records' device (False: layout unsupported)
+    decoder: object = None  # the split step's PackedDecoder on the records' device (False: layout unsupported)
 
 
 def layer_pool(layer) -> LayerPool | None:
@@ -55,8 +65,8 @@ def layer_pool(layer) -> LayerPool | None:
         layout, impact = plan.local(layer.layer_idx, layer.tp_size, get_tensor_model_parallel_rank())
         pool = LayerPool(layout, impact, plan.fit, layer._kvq_native_dtypes()[1], s.kernels)
         where = getattr(getattr(layer, "A_log", None), "device", None)
-        if where is not None and where.type == "cuda":
-            decode_plan(pool, where)  # now: a CUDA graph capture cannot copy its tables
+        if where is not None and where.type == "cuda":  # now: a CUDA graph capture cannot allocate
+            decode_plan(pool, where, layer.num_k_heads // layer.tp_size, _decode_rows())
     layer.__dict__["_kvq_pool"] = pool
     return pool
 
@@ -76,55 +86,123 @@ def decode_states(records: torch.Tensor, pool: LayerPool, out: torch.Tensor | No
 FAST_DECODE = True
 
 
-def packed_decode(records, slots, plan, mixed_qkv, a, b, A_log, dt_bias, num_k_heads: int, out,
+class PackedDecoder:
+    """One layer's split decode step on CUDA (or in Triton's interpreter):
+    its tables, its scratch, and the events that order its two streams."""
+
+    def __init__(self, pool: LayerPool, device, key_heads: int, rows: int):
+        from vllm_kvq.kernels.stepquant.triton_step import StepPlan, StepScratch
+
+        self.plan = StepPlan(pool.layout, pool.impact, device, pool.fit)
+        self.scratch = StepScratch(self.plan, key_heads, rows, device)
+        self.cuda = torch.device(device).type == "cuda"
+        if self.cuda:
+            self.stream = _writeback_stream(torch.device(device))
+            self.foreground_done, self.writeback_done = torch.cuda.Event(), torch.cuda.Event()
+
+    def scratch_for(self, n: int):
+        """The scratch, grown (outside a capture) when a batch exceeds it."""
+        if n > self.scratch.capacity:
+            if self.cuda and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"a captured decode batch of {n} exceeds the STEPQuant scratch's "
+                                   f"{self.scratch.capacity} rows (sized from max_num_seqs)")
+            from vllm_kvq.kernels.stepquant.triton_step import StepScratch
+
+            if self.cuda:  # the old scratch goes back to the allocator: nothing may still read it
+                torch.cuda.current_stream().wait_stream(self.stream)
+            self.scratch = StepScratch(self.plan, self.scratch.key_heads, n, self.plan.impact.device)
+        return self.scratch
+
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+_UNJOINED: dict[int, torch.cuda.Event] = {}
+
+
+def _writeback_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(device=index)
+    return _STREAMS[index]
+
+
+def join_writebacks() -> None:
+    """Make the current stream wait for every writeback started since the
+    last join (the end of a forward; inside a CUDA graph capture this joins
+    the writeback stream back into the graph)."""
+    for index, done in list(_UNJOINED.items()):
+        torch.cuda.current_stream(index).wait_event(done)
+    _UNJOINED.clear()
+
+
+def _decode_rows() -> int:
+    """The most requests a decode batch can hold (padded under CUDA graphs)."""
+    from vllm.config import get_current_vllm_config
+
+    cfg = get_current_vllm_config()
+    return max(cfg.scheduler_config.max_num_seqs, cfg.compilation_config.max_cudagraph_capture_size or 0)
+
+
+def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log, dt_bias, num_k_heads: int, out,
                   fast: bool = FAST_DECODE) -> None:
     """One decode token per request on packed records, in place.
 
     ``records [slots, size]`` uint8, any slot stride (vLLM's state view);
     ``slots [N]`` the requests' slot indices (below 1: padding, output zero,
     nothing touched); ``mixed_qkv [N, 2 H_k K + H V]`` after the conv; ``a,
-    b [N, H]``; ``out [N, H, V]`` contiguous (the layer's output). The inputs
-    are prepared as vLLM's decode kernels do it for an FP32 state (q and k
-    L2-normalised, q scaled by K^-1/2, ``g = -exp(A_log) softplus(a +
-    dt_bias)``, ``beta = sigmoid(b)``, all in fp32); the Triton step then
-    reads each record, applies the gated delta rule, writes the readout of the
-    unquantized new state and packs the state back with the plan's fit.
+    b [N, H]``; ``out [N, H, V]`` contiguous (the layer's output). The
+    foreground prepares the inputs as vLLM's decode kernel does for an FP32
+    state (q and k L2-normalised, q scaled by K^-1/2, ``g = -exp(A_log)
+    softplus(a + dt_bias)``, ``beta = sigmoid(b)``, in fp32) and writes the
+    readout of the unquantized new state into ``out`` on the current stream;
+    the writeback packs the state back with the plan's fit on the writeback
+    stream (on CPU, right after).
     """
-    lay = plan.layout
+    from vllm_kvq.kernels.stepquant.triton_step import foreground_, writeback_  # Triton: only where it runs
+
+    lay = decoder.plan.layout
     n, kd, vd, hv = mixed_qkv.shape[0], lay.k_dim, lay.v_dim, len(lay.bits)
-    qk_dim = 2 * num_k_heads * kd
-    if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != qk_dim + hv * vd:
-        raise ValueError(f"mixed_qkv must be [N, {qk_dim + hv * vd}] ({num_k_heads} key heads of {kd}, {hv} value "
-                         f"heads of {vd}), got {tuple(mixed_qkv.shape)}")
-    qk = mixed_qkv[:, :qk_dim].float().reshape(n, 2 * num_k_heads, kd)
-    q, k = codec.normalize_qk(qk[:, :num_k_heads], qk[:, num_k_heads:])
-    v = mixed_qkv[:, qk_dim:].reshape(n, hv, vd)
-    g = -torch.exp(A_log.float()) * F.softplus(a.float() + dt_bias.float())
-    beta = torch.sigmoid(b.float())
-    from vllm_kvq.kernels.stepquant.triton_step import step_  # Triton: imported only where it runs
+    qk_dim = num_k_heads * kd
+    if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != 2 * qk_dim + hv * vd or mixed_qkv.stride(1) != 1:
+        raise ValueError(f"mixed_qkv must be [N, {2 * qk_dim + hv * vd}] ({num_k_heads} key heads of {kd}, {hv} "
+                         f"value heads of {vd}) with unit column stride, got {tuple(mixed_qkv.shape)}")
+    q, k, v = (mixed_qkv[:, lo:hi].unflatten(1, (-1, d))
+               for lo, hi, d in ((0, qk_dim, kd), (qk_dim, 2 * qk_dim, kd), (2 * qk_dim, None, vd)))
+    scratch = decoder.scratch_for(n)
+    args = (records, slots, decoder.plan, scratch, q, k, v, a, b)
+    kw = dict(out=out, fast=fast, raw_gates=(A_log, dt_bias))
+    if not decoder.cuda:
+        foreground_(*args, **kw)
+        writeback_(records, decoder.plan, scratch, n, fast=fast)
+        return
+    main = torch.cuda.current_stream()
+    if torch.cuda.is_current_stream_capturing():  # an event recorded in a capture is waited on only inside it
+        started, done = torch.cuda.Event(), torch.cuda.Event()
+    else:
+        started, done = decoder.foreground_done, decoder.writeback_done
+        main.wait_event(done)  # the layer's last writeback: a no-op once the last forward joined it
+    foreground_(*args, **kw)
+    started.record(main)
+    decoder.stream.wait_event(started)
+    with torch.cuda.stream(decoder.stream):
+        writeback_(records, decoder.plan, scratch, n, fast=fast)
+    done.record(decoder.stream)
+    _UNJOINED[records.device.index] = done
 
-    step_(records, slots, plan, q, k, v, g, beta, out=out, fast=fast)
 
-
-def decode_plan(pool: LayerPool, device: torch.device):
-    """The Triton step's plan for this layer's decode batches, or None when
-    they stay staged (``kvq.kernels = "reference"``, or a layout the kernel
-    does not take)."""
+def decode_plan(pool: LayerPool, device, key_heads: int, rows: int = 256) -> PackedDecoder | None:
+    """The split step for this layer's decode batches, or None when they
+    stay staged (``kvq.kernels = "reference"``, or a layout the kernels do not
+    take). Built once, with a scratch of ``rows`` requests."""
     if pool.kernels == "reference":
         return None
-    if pool.step_plan is None:
-        from vllm_kvq.kernels.stepquant.triton_step import StepPlan
-
+    if pool.decoder is None:
         if torch.device(device).type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the STEPQuant step's tables must be built before a CUDA graph capture")
-
         try:
-            pool.step_plan = StepPlan(pool.layout, pool.impact, device, pool.fit)
+            pool.decoder = PackedDecoder(pool, device, key_heads, rows)
         except ValueError as e:
             from vllm.logger import init_logger
 
             init_logger(__name__).warning("STEPQuant decode stays staged: %s", e)
-            pool.step_plan = False
-    return pool.step_plan or None
-
-
+            pool.decoder = False
+    return pool.decoder or None

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 from vllm_kvq.artifacts import ArtifactError, model_fingerprint
-from vllm_kvq.artifacts.fingerprint import head_dim, text_config
 from vllm_kvq.calib.capture import StatsCollector, load_model, run_windows
 from vllm_kvq.calib.fit import build_artifact
+from vllm_kvq.calib.tier_search import LayerProbe, search, sensitivities, sizes
 from vllm_kvq.kernels.oscar.format import LayerTiers, TierError
 
 INT2 = "int2"
@@ -20,9 +20,7 @@ BYTES_PER_TOKEN = 80
 
 
 def read_text(path: str | Path) -> str:
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+    with (gzip.open if Path(path).suffix == ".gz" else open)(path, "rt", encoding="utf-8", errors="replace") as f:
         return f.read()
 
 
@@ -47,7 +45,14 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
     from transformers import AutoConfig, AutoTokenizer
 
     t0 = time.time()
-    config = AutoConfig.from_pretrained(model)
+    try:
+        config = AutoConfig.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"cannot read a model config from {model!r} ({type(e).__name__}); pass a checkpoint "
+                            "directory with a config.json (or a Hugging Face model id)") from e
+    if not Path(data).is_file():
+        raise ArtifactError(f"--data {data}: no such file; pass a text file (or .gz) of the kind of text the model "
+                            "will serve")
     fp = model_fingerprint(config)
     if tiers != INT2:
         if granularity != "kv_head":
@@ -56,25 +61,30 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         if clip == "fitted":
             raise ArtifactError("--clip fitted fits one clip ratio per layer to whole INT2 rows, not to tiers; "
                                 f"drop --clip fitted (or pass --tiers {INT2})")
-    if isinstance(tiers, LayerTiers):
-        try:
+    try:
+        if isinstance(tiers, LayerTiers):
             tiers.check(fp["head_dim"], "--tiers")
-        except TierError as e:
-            raise ArtifactError(str(e)) from e
+    except TierError as e:
+        raise ArtifactError(str(e)) from e
     if tiers is None:
-        from vllm_kvq.calib.tier_search import sizes
-
+        if seq_len <= sink + window:
+            raise ArtifactError(f"the tier search scores plans on held-out queries that read quantized rows: "
+                                f"--seq-len {seq_len} must exceed --sink + --window ({sink + window})")
         if bytes_per_token not in sizes(fp["head_dim"]):
             raise ArtifactError(f"--bytes-per-token {bytes_per_token}: no tier plan takes exactly that many bytes "
                                 f"per token and KV head at head size {fp['head_dim']}; possible sizes are "
                                 f"{sizes(fp['head_dim'])}")
     tok = AutoTokenizer.from_pretrained(tokenizer or model)
-    windows = token_windows(tok, read_text(data), tokens + seq_len, seq_len)
+    text = read_text(data)
+    if not text.strip():
+        raise ArtifactError(f"--data {data} is empty; pass a text file (or .gz) of the kind of text the model will "
+                            "serve, a few tens of thousands of tokens")
+    windows = token_windows(tok, text, tokens + seq_len, seq_len)
     if len(windows) < 2:
         raise ArtifactError(f"{data} gives only {len(windows)} window(s) of {seq_len} tokens; calibration needs 2 "
                             "or more: give more text, or a smaller --seq-len")
     fit_windows, held_out = windows[:-1], windows[-1:]
-    collector = StatsCollector(text_config(config).num_key_value_heads, head_dim(text_config(config)), sink)
+    collector = StatsCollector(fp["num_key_value_heads"], fp["head_dim"], sink)
     net = load_model(model, device, getattr(torch, dtype), collector)
     run_windows(net, fit_windows, device, "query/output covariance")
     if value_target == "proxy":
@@ -88,10 +98,9 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         "windows": len(fit_windows), "device": device, "dtype": dtype,
     }
     if tiers is None:
-        from vllm_kvq.calib.tier_search import search
-
-        per_layer, report = search(collector.layers, fp["head_dim"], bytes_per_token, value_target, k_clip,
-                                   v_clip, sink, window)
+        probes = {i: LayerProbe(st, i, value_target, sink, window) for i, st in sorted(collector.layers.items())}
+        weight = sensitivities(net, collector, held_out[0], probes, fp["head_dim"], k_clip, v_clip, device)
+        per_layer, report = search(probes, fp["head_dim"], bytes_per_token, k_clip, v_clip, weight)
         provenance["tier_search"] = {"bytes_per_token": bytes_per_token, "layers": report}
     else:
         per_layer = None if tiers == INT2 else {layer: tiers for layer in collector.layers}

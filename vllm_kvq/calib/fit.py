@@ -6,7 +6,7 @@ import torch
 
 from vllm_kvq.artifacts import OscarArtifact
 from vllm_kvq.calib.capture import LayerStats
-from vllm_kvq.calib.rotation import eigen_order, oscar_rotation, tiered_rotation
+from vllm_kvq.calib.rotation import eigen_order, oscar_rotation, rotate_heads, tiered_rotation
 from vllm_kvq.kernels.oscar.format import LayerTiers, TierPlan
 from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_probs
 
@@ -18,29 +18,20 @@ def value_covariance(stats: LayerStats, value_target: str) -> torch.Tensor:
 
 
 def rotations(stats: LayerStats, granularity: str, value_target: str, tiers: LayerTiers | None = None,
-              layer: int = 0) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """R_K and R_V for one layer: ``[D, D]`` (layer) or ``[H, D, D]`` (kv_head);
-    with ``tiers`` (kv_head only), tiered rotations of the same covariances."""
-    v_cov = value_covariance(stats, value_target)
-    if tiers is not None:
-        if granularity != "kv_head":
-            raise ValueError("tiered rotations need granularity kv_head")
-        out = {}
-        for kind, covs in (("k", stats.cq), ("v", v_cov)):
-            orders = [eigen_order(c.cpu()) for c in covs]
-            plan = getattr(tiers, kind)
-            out[kind] = (torch.stack([tiered_rotation(u, plan, layer, h) for h, (u, _) in enumerate(orders)]),
-                         torch.stack([ev for _, ev in orders]))
-        (rk, ek), (rv, ev) = out["k"], out["v"]
-    elif granularity == "layer":
-        rk, ek = oscar_rotation(stats.cq.mean(0).cpu())
-        rv, ev = oscar_rotation(v_cov.mean(0).cpu())
-    else:
-        pairs_k = [oscar_rotation(c.cpu()) for c in stats.cq]
-        pairs_v = [oscar_rotation(c.cpu()) for c in v_cov]
-        rk, ek = torch.stack([p[0] for p in pairs_k]), torch.stack([p[1] for p in pairs_k])
-        rv, ev = torch.stack([p[0] for p in pairs_v]), torch.stack([p[1] for p in pairs_v])
-    return rk, rv, {"k_eigenvalues": ek, "v_eigenvalues": ev}
+              layer: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``[(R_K, eigenvalues), (R_V, eigenvalues)]`` for one layer: ``[D, D]``
+    (layer) or ``[H, D, D]`` (kv_head); with ``tiers`` (kv_head only), tiered
+    rotations of the same covariances."""
+    out = []
+    for kind, cov in (("k", stats.cq), ("v", value_covariance(stats, value_target))):
+        if tiers is not None:
+            pairs = [(tiered_rotation(u, getattr(tiers, kind), layer, h), ev)
+                     for h, (u, ev) in enumerate(eigen_order(c.cpu()) for c in cov)]
+        else:
+            pairs = [oscar_rotation(c.cpu()) for c in (cov.mean(0, keepdim=True) if granularity == "layer" else cov)]
+        r, ev = (torch.stack(x) for x in zip(*pairs))
+        out.append((r[0], ev[0]) if granularity == "layer" else (r, ev))
+    return out
 
 
 def zero_fill(stats: LayerStats, kind: str, rotation: torch.Tensor, plan: TierPlan) -> torch.Tensor | None:
@@ -56,48 +47,25 @@ def zero_fill(stats: LayerStats, kind: str, rotation: torch.Tensor, plan: TierPl
     return (mean.unsqueeze(1) @ cols).squeeze(1).float()
 
 
-def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """x ``[H*g, T, D]`` (heads grouped by KV head) times R ``[D, D]``/``[H, D, D]``."""
-    if r.dim() == 2:
-        return x @ r
-    h = r.shape[0]
-    return (x.view(h, -1, *x.shape[1:]) @ r.unsqueeze(1)).view_as(x)
-
-
-class HeldOut:
-    """One held-out window in the rotated basis, with its exact attention output."""
-
-    def __init__(self, held: dict, rk, rv, sink: int, window: int):
-        perm = lambda x: x.transpose(0, 1).contiguous()  # [H, T, D] -> [T, H, D]
-        self.q = perm(_rotate(held["q"], rk))
-        self.k = perm(_rotate(held["k"], rk)).bfloat16().float()
-        self.v = perm(_rotate(held["v"], rv)).bfloat16().float()
-        self.pos = torch.arange(self.q.shape[0])
-        self.sink, self.window, self.scale = sink, window, held["scale"]
-        self.exact = mix_values(*self.probs(self.k), self.v, self.v)
-
-    def probs(self, k_lo):
-        return mixed_probs(self.q, self.pos, self.k, k_lo, self.sink, self.window, self.scale)
-
-    def error(self, probs, v_lo) -> float:
-        """Relative attention-output error of the INT2 cache."""
-        approx = mix_values(*probs, self.v, v_lo)
-        return ((approx - self.exact).norm() / self.exact.norm()).item()
-
-
 def fit_clip(held: dict, rk, rv, sink: int, window: int) -> tuple[float, float, dict]:
     """Per-layer clip ratios of INT2 rows minimising the attention-output error
     on held-out tokens: keys first (values unclipped), then values at the
     chosen key ratio."""
-    h = HeldOut(held, rk, rv, sink, window)
-    plan = TierPlan.int2_only(h.k.shape[-1])
-    v_plain = fake_quantize(h.v, plan, 1.0)
-    k_err = {c: h.error(h.probs(fake_quantize(h.k, plan, c)), v_plain) for c in CLIP_GRID}
+    rows = lambda x, r: rotate_heads(x, r).transpose(0, 1).contiguous()  # noqa: E731  [H, T, D] -> [T, H, D]
+    q, k, v = rows(held["q"], rk), rows(held["k"], rk).bfloat16().float(), rows(held["v"], rv).bfloat16().float()
+    pos, plan = torch.arange(q.shape[0]), TierPlan.int2_only(k.shape[-1])
+    probs = lambda k_lo: mixed_probs(q, pos, k, k_lo, sink, window, held["scale"])  # noqa: E731
+    exact = mix_values(*probs(k), v, v)
+
+    def error(p, v_lo) -> float:
+        return ((mix_values(*p, v, v_lo) - exact).norm() / exact.norm()).item()
+
+    v_plain = fake_quantize(v, plan, 1.0)
+    k_err = {c: error(probs(fake_quantize(k, plan, c)), v_plain) for c in CLIP_GRID}
     ck = min(k_err, key=k_err.get)
-    probs = h.probs(fake_quantize(h.k, plan, ck))  # the softmax does not depend on the value clip
-    v_err = {c: h.error(probs, fake_quantize(h.v, plan, c)) for c in CLIP_GRID}
-    cv = min(v_err, key=v_err.get)
-    return ck, cv, {"k_error": k_err, "v_error": v_err}
+    p = probs(fake_quantize(k, plan, ck))  # the softmax does not depend on the value clip
+    v_err = {c: error(p, fake_quantize(v, plan, c)) for c in CLIP_GRID}
+    return ck, min(v_err, key=v_err.get), {"k_error": k_err, "v_error": v_err}
 
 
 def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity: str, value_target: str,
@@ -106,19 +74,15 @@ def build_artifact(layers: dict[int, LayerStats], fingerprint: dict, granularity
     """The artifact of captured statistics: rotations per layer (tiered where
     ``tiers`` gives each layer's plan), 0-bit means, clip ratios."""
     ks, vs, kc, vc, report = {}, {}, {}, {}, {}
-    spectra = {"k": {}, "v": {}}
-    fill = {"k": {}, "v": {}}
+    spectra, fill = {"k": {}, "v": {}}, {"k": {}, "v": {}}
     for idx in sorted(layers):
         st = layers[idx]
         plan = None if tiers is None else tiers[idx]
-        rk, rv, ev = rotations(st, granularity, value_target, plan, idx)
+        (rk, spectra["k"][idx]), (rv, spectra["v"][idx]) = rotations(st, granularity, value_target, plan, idx)
         ks[idx], vs[idx] = rk, rv
-        if plan is not None:
-            for kind, r in (("k", rk), ("v", rv)):
-                f = zero_fill(st, kind, r, getattr(plan, kind))
-                if f is not None:
-                    fill[kind][idx] = f
-        spectra["k"][idx], spectra["v"][idx] = ev["k_eigenvalues"], ev["v_eigenvalues"]
+        for kind, r in (("k", rk), ("v", rv)):
+            if plan is not None and (f := zero_fill(st, kind, r, getattr(plan, kind))) is not None:
+                fill[kind][idx] = f
         if clip == "fitted":
             kc[idx], vc[idx], errors = fit_clip(st.held_out, rk, rv, sink, window)
             report[idx] = errors

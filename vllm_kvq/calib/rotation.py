@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvq.artifacts.builtin import hadamard
+from vllm_kvq.calib import single_thread
 from vllm_kvq.kernels.oscar.format import TierPlan
 
 
@@ -38,14 +39,8 @@ def bit_reversal_permutation(eigenvalues: torch.Tensor) -> torch.Tensor:
 def _eigh(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Ascending eigenvalues and eigenvectors of a symmetric matrix (fp64)."""
     c = cov.double()
-    c = (c + c.T) / 2
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a 128x128 eigh: threads only spin (0.9 s vs 2 ms on a busy 2-core CPU)
-    try:
-        evals, evecs = torch.linalg.eigh(c)
-    finally:
-        torch.set_num_threads(threads)
-    return evals, evecs
+    with single_thread():  # a 128x128 eigh: threads only spin (0.9 s vs 2 ms on a busy 2-core CPU)
+        return torch.linalg.eigh((c + c.T) / 2)
 
 
 def oscar_rotation(cov: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,3 +83,9 @@ def tiered_rotation(u: torch.Tensor, plan: TierPlan, layer: int, head: int) -> t
         cols.append(block @ spreader(width, tier_seed(layer, head, i)) if bits else block)
         start += width
     return torch.cat(cols, dim=1).float()
+
+
+def rotate_heads(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Rows ``[H*g, T, D]`` (heads grouped by KV head) times R ``[D, D]`` or per KV head ``[H, D, D]``."""
+    r = r.to(x.dtype)
+    return x @ r if r.dim() == 2 else (x.view(r.shape[0], -1, *x.shape[1:]) @ r.unsqueeze(1)).view_as(x)

@@ -7,21 +7,26 @@ widths in steps of 16) is scored by the attention-output error it causes
 alone, with the other kind exact, over the held-out window's last queries:
 the plan's own tiered rotation, bf16 rows, its INT2 tier clipped as served
 and its 0-bit tier read back as the calibrated mean, through the serving read
-rule (BF16 sink and window). A layer then takes the K and V plans whose bytes
-per token add up to the budget with the least ``err_K^2 + err_V^2``. Every
-layer gets the same bytes (vLLM gives every layer one page size), but not the
-same split: a layer whose keys hurt more gives its keys more INT4.
+rule (BF16 sink and window). Errors of keys and values, and of different
+layers, do not cost the model alike, so each (layer, kind) gets a **sensitivity**:
+how far the model's next-token distribution moves (KL) on the held-out
+window when that kind of that layer alone is stored INT2, per unit of its
+squared error (one forward each). A layer then takes the K and V plans whose
+bytes per token add up to the budget with the least predicted KL
+``a_K err_K^2 + a_V err_V^2``.
+Every layer gets the same bytes (vLLM gives every layer one page size), but
+not the same split.
 """
 
 from __future__ import annotations
 
 import torch
 
-from vllm_kvq.calib.capture import LayerStats
+from vllm_kvq.calib.capture import LayerStats, StatsCollector, window_log_probs
 from vllm_kvq.calib.fit import value_covariance, zero_fill
-from vllm_kvq.calib.rotation import eigen_order, tiered_rotation
+from vllm_kvq.calib.rotation import eigen_order, rotate_heads, tiered_rotation
 from vllm_kvq.kernels.oscar.format import WIDTH_STEP, LayerTiers, TierPlan
-from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_probs
+from vllm_kvq.kernels.oscar.reference import fake_quantize, mix_values, mixed_attention, mixed_probs
 
 QUERIES = 256
 """Held-out queries scored per candidate: the window's last (longest contexts)."""
@@ -29,12 +34,8 @@ QUERIES = 256
 
 def candidate_plans(head_dim: int) -> list[TierPlan]:
     """Every plan of INT4, INT2 and 0-bit widths in steps of WIDTH_STEP that stores something."""
-    out = []
-    for int4 in range(0, head_dim + 1, WIDTH_STEP):
-        for int2 in range(0, head_dim - int4 + 1, WIDTH_STEP):
-            if int4 + int2:
-                out.append(TierPlan(int4, int2, head_dim - int4 - int2))
-    return out
+    return [TierPlan(int4, int2, head_dim - int4 - int2) for int4 in range(0, head_dim + 1, WIDTH_STEP)
+            for int2 in range(0, head_dim - int4 + 1, WIDTH_STEP) if int4 + int2]
 
 
 def sizes(head_dim: int) -> list[int]:
@@ -43,25 +44,16 @@ def sizes(head_dim: int) -> list[int]:
     return sorted({pk.row_bytes + pv.row_bytes for pk in plans for pv in plans})
 
 
-def _rotate(x: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-    """Rows ``[H*g, T, D]`` (heads grouped by KV head) times per-KV-head ``R [H, D, D]``."""
-    h = r.shape[0]
-    return (x.view(h, -1, *x.shape[1:]) @ r.unsqueeze(1).double()).view_as(x)
-
-
 class LayerProbe:
     """A layer's held-out window and the pieces every candidate reuses."""
 
-    def __init__(self, stats: LayerStats, layer: int, value_target: str, sink: int, window: int,
-                 queries: int = QUERIES):
-        held = stats.held_out
-        if not held:
+    def __init__(self, stats: LayerStats, layer: int, value_target: str, sink: int, window: int):
+        if not (held := stats.held_out):
             raise ValueError(f"layer {layer}: no held-out window to score tier plans on")
         self.stats, self.layer, self.sink, self.window, self.scale = stats, layer, sink, window, held["scale"]
         self.q, self.k, self.v = (held[x].double() for x in "qkv")  # [Hq or H, T, D]
-        t = self.q.shape[1]
-        self.first = max(t - queries, 0)
-        self.pos = torch.arange(self.first, t)
+        self.first = max(self.q.shape[1] - QUERIES, 0)
+        self.pos = torch.arange(self.first, self.q.shape[1])
         self.orders = {"k": [eigen_order(c.cpu())[0] for c in stats.cq],
                        "v": [eigen_order(c.cpu())[0] for c in value_covariance(stats, value_target)]}
         rows = lambda x: x.transpose(0, 1).float()  # noqa: E731  [H, T, D] -> [T, H, D]
@@ -72,15 +64,41 @@ class LayerProbe:
     def rotation(self, kind: str, plan: TierPlan) -> torch.Tensor:
         return torch.stack([tiered_rotation(u, plan, self.layer, h) for h, u in enumerate(self.orders[kind])])
 
+    def attention(self, plans: dict[str, TierPlan], clips: dict[str, float]):
+        """The layer's attention with each kind in ``plans`` stored that way
+        (the others exact), as transformers calls it: ``(q [1, Hq, T, D], k,
+        v [1, H, T, D], scaling) -> [1, T, Hq, D]`` in the model's basis."""
+        rot = {kind: self.rotation(kind, plan).float() for kind, plan in plans.items()}
+        fills = {kind: zero_fill(self.stats, kind, rot[kind], plan) for kind, plan in plans.items()}
+
+        def run(query, key, value, scaling):
+            dev, dtype = query.device, query.dtype
+            x = {"q": query[0].float(), "k": key[0].float(), "v": value[0].float()}  # [H, T, D]
+            for kind, r in rot.items():
+                for name in ("qk" if kind == "k" else "v"):
+                    x[name] = rotate_heads(x[name], r.to(dev))
+            hi = {kind: x[kind].transpose(0, 1).bfloat16().float() for kind in "kv"}  # [T, H, D]
+            lo = {**hi, **{kind: fake_quantize(hi[kind], plan, clips[kind], None if fills[kind] is None
+                                               else fills[kind].to(dev)) for kind, plan in plans.items()}}
+            pos = torch.arange(hi["k"].shape[0], device=dev)
+            out = mixed_attention(x["q"].transpose(0, 1), pos, hi["k"], hi["v"], lo["k"], lo["v"], self.sink,
+                                  self.window, scaling)
+            if "v" in rot:  # back from the rotated basis
+                r, (t, hq, d) = rot["v"].to(dev), out.shape
+                out = (out.view(t, r.shape[0], -1, d) @ r.transpose(1, 2).unsqueeze(0)).view(t, hq, d)
+            return out.unsqueeze(0).to(dtype)
+
+        return run
+
     def error(self, kind: str, plan: TierPlan, clip: float) -> float:
         """Relative attention-output error of storing ``kind`` with ``plan`` (the other kind exact)."""
         r = self.rotation(kind, plan)
         fill = zero_fill(self.stats, kind, r, plan)
         rows = lambda x: x.transpose(0, 1).float()  # noqa: E731
-        x = rows(_rotate(self.k if kind == "k" else self.v, r)).bfloat16().float()
+        x = rows(rotate_heads(self.k if kind == "k" else self.v, r)).bfloat16().float()
         lo = fake_quantize(x, plan, clip, fill)
         if kind == "k":
-            q = rows(_rotate(self.q, r))[self.first:]
+            q = rows(rotate_heads(self.q, r))[self.first:]
             probs = mixed_probs(q, self.pos, x, lo, self.sink, self.window, self.scale)
             approx, exact = mix_values(*probs, rows(self.v), rows(self.v)), self.exact
         else:
@@ -88,32 +106,75 @@ class LayerProbe:
         return ((approx - exact).norm() / exact.norm()).item()
 
 
-def choose(errors: dict[str, dict[TierPlan, float]], budget: int) -> tuple[LayerTiers, float]:
+def kl_divergence(ref: torch.Tensor, other: torch.Tensor, rows: int = 256) -> float:
+    """Mean over positions of KL(ref || other), both ``[T, vocab]`` log-probabilities."""
+    total = 0.0
+    for i in range(0, ref.shape[0], rows):
+        p = ref[i : i + rows]
+        total += (p.exp() * (p - other[i : i + rows])).sum().item()
+    return total / ref.shape[0]
+
+
+def sensitivities(net, collector: StatsCollector, held: list[int], probes: dict[int, "LayerProbe"], head_dim: int,
+                  k_clip: float, v_clip: float, device: str) -> dict[int, dict[str, float]]:
+    """Per layer and kind: how far the model's next-token distribution moves
+    (mean KL from the exact one, over the held-out positions that read
+    quantized rows) when that kind of that layer alone is stored INT2, per
+    unit of its squared attention-output error. KL, not the loss difference,
+    because it is the second-order part alone: never negative, and far less
+    noisy on one window. At least a thousandth of the largest."""
+    int2 = TierPlan.int2_only(head_dim)
+    first = min(probe.sink + probe.window for probe in probes.values())
+    if first >= len(held) - 1:
+        raise ValueError(f"the held-out window ({len(held)} tokens) has no position past sink + window ({first})")
+    raw = {}
+    try:
+        collector.perturb = {}  # every layer exact, and no statistics taken
+        exact = window_log_probs(net, held, device, first)
+        for layer, probe in probes.items():
+            for kind, clip in (("k", k_clip), ("v", v_clip)):
+                collector.perturb = {layer: probe.attention({kind: int2}, {kind: clip})}
+                shift = kl_divergence(exact, window_log_probs(net, held, device, first))
+                raw[layer, kind] = shift / max(probe.error(kind, int2, clip) ** 2, 1e-12)
+    finally:
+        collector.perturb = None
+    floor = 1e-3 * max(raw.values(), default=1.0) or 1.0
+    return {layer: {kind: max(raw[layer, kind], floor) for kind in "kv"} for layer in probes}
+
+
+def choose(errors: dict[str, dict[TierPlan, float]], budget: int,
+           weight: dict[str, float] | None = None) -> tuple[LayerTiers, float]:
     """The K and V plans with ``budget`` bytes per token together and the least
-    ``err_K^2 + err_V^2``; returns them and ``sqrt`` of that sum."""
+    ``a_K err_K^2 + a_V err_V^2`` (``weight``: the a's, 1 without); returns
+    them and that sum (the predicted KL, with sensitivities)."""
+    w = weight or {"k": 1.0, "v": 1.0}
     best = None
     for pk, ek in errors["k"].items():
         for pv, ev in errors["v"].items():
             if pk.row_bytes + pv.row_bytes == budget:
-                cost = ek * ek + ev * ev
+                cost = w["k"] * ek * ek + w["v"] * ev * ev
                 if best is None or cost < best[0]:
                     best = (cost, LayerTiers(pk, pv))
     if best is None:
         raise ValueError(f"no pair of the candidate plans takes exactly {budget} bytes per token and KV head")
-    return best[1], best[0] ** 0.5
+    return best[1], best[0]
 
 
-def search(layers: dict[int, LayerStats], head_dim: int, budget: int, value_target: str, k_clip: float,
-           v_clip: float, sink: int, window: int) -> tuple[dict[int, LayerTiers], dict]:
+def search(probes: dict[int, LayerProbe], head_dim: int, budget: int, k_clip: float, v_clip: float,
+           sensitivity: dict | None = None) -> tuple[dict[int, LayerTiers], dict]:
     """Each layer's tiers at ``budget`` bytes per token and KV head, and a
-    report: per layer the chosen plans' errors and the predicted error."""
+    report: per layer the chosen plans' errors, sensitivities and predicted
+    KL (``sensitivity`` from :func:`sensitivities`; 1 for both kinds
+    without)."""
     plans = candidate_plans(head_dim)
     chosen, report = {}, {}
-    for idx in sorted(layers):
-        probe = LayerProbe(layers[idx], idx, value_target, sink, window)
+    for idx, probe in sorted(probes.items()):
         errors = {kind: {p: probe.error(kind, p, clip) for p in plans}
                   for kind, clip in (("k", k_clip), ("v", v_clip))}
-        chosen[idx], predicted = choose(errors, budget)
-        report[str(idx)] = {"tiers": str(chosen[idx]), "k_error": round(errors["k"][chosen[idx].k], 6),
-                            "v_error": round(errors["v"][chosen[idx].v], 6), "predicted_error": round(predicted, 6)}
+        weight = (sensitivity or {}).get(idx, {"k": 1.0, "v": 1.0})
+        chosen[idx], predicted = choose(errors, budget, weight)
+        t = chosen[idx]
+        report[str(idx)] = {"tiers": str(t), "k_error": round(errors["k"][t.k], 6),
+                            "v_error": round(errors["v"][t.v], 6), "k_sensitivity": round(weight["k"], 6),
+                            "v_sensitivity": round(weight["v"], 6), "predicted_kl": round(predicted, 8)}
     return chosen, report

@@ -13,17 +13,20 @@ from vllm_kvq.artifacts import ArtifactError, OscarArtifact
 
 
 def read_zoo(path: str) -> dict[int, torch.Tensor]:
-    blob = torch.load(path, map_location="cpu", weights_only=True)
+    import pickle
+
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ArtifactError(f"{path}: holds more than plain tensors (pickled objects, which are never run); ask "
+                            "for a RotationZoo file of dicts of tensors, or re-save it with tensors only") from e
     if not isinstance(blob, dict) or "layers" not in blob:
         raise ArtifactError(f"{path}: not a RotationZoo file (no 'layers')")
     version = blob.get("format_version", 1)
     if version not in (1, 2):
         raise ArtifactError(f"{path}: unknown RotationZoo format_version {version}")
-    out = {}
-    for key, entry in blob["layers"].items():
-        rot = entry["rotation"] if isinstance(entry, dict) else entry
-        out[int(key)] = torch.as_tensor(rot).float()
-    return out
+    return {int(key): torch.as_tensor(entry["rotation"] if isinstance(entry, dict) else entry).float()
+            for key, entry in blob["layers"].items()}
 
 
 def import_zoo(k_path: str, v_path: str, fingerprint: dict, k_clip: float = 0.96, v_clip: float = 0.92,

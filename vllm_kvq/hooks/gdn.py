@@ -11,7 +11,8 @@ vLLM 0.32 symbols this relies on:
   ``conv1d``, ``activation``, ``A_log``, ``dt_bias``, ``num_k_heads``;
 * ``vllm.model_executor.layers.mamba.ops.cpu.gdn_attention._cpu_gdn_attention_nonspec``;
 * ``Qwen3NextForCausalLM``, ``Qwen3_5ForCausalLMBase``, ``Qwen3_5ForConditionalGeneration``:
-  ``get_mamba_state_shape_from_config``, ``get_mamba_state_dtype_from_config``;
+  ``get_mamba_state_shape_from_config``, ``get_mamba_state_dtype_from_config``, ``forward``
+  (the model's whole step: CUDA decode writebacks are joined at its end);
 * the GDN metadata fields ``num_decodes``, ``num_prefills``, ``num_actual_tokens``,
   ``non_spec_state_indices_tensor``, ``prefill_state_indices``, ``has_initial_state``,
   ``spec_sequence_masks``; ``vllm.forward_context.get_forward_context``;
@@ -27,7 +28,8 @@ import types
 
 import torch
 
-from vllm_kvq.backends.state_pool import decode_plan, decode_states, encode_states, layer_pool, packed_decode
+from vllm_kvq.backends.state_pool import (decode_plan, decode_states, encode_states, join_writebacks, layer_pool,
+                                         packed_decode)
 from vllm_kvq.hooks.post_import import after_import
 
 GDN_LAYER_MODULE = "vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn"
@@ -103,6 +105,21 @@ def _patch_gdn_model_classes(module, names) -> None:
 
         cls.get_mamba_state_shape_from_config = classmethod(functools.wraps(orig_shape)(shape))
         cls.get_mamba_state_dtype_from_config = classmethod(functools.wraps(orig_dtype)(dtype))
+        if "forward" in cls.__dict__:
+            cls.forward = _joining(cls.forward)
+
+
+def _joining(forward):
+    """The model's forward, ending with the stream waiting for the GDN layers'
+    writebacks (under a CUDA graph capture: joined into the graph)."""
+
+    @functools.wraps(forward)
+    def run(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        join_writebacks()
+        return out
+
+    return run
 
 
 
@@ -195,10 +212,10 @@ def _is_decode_batch(md) -> bool:
     return md.spec_sequence_masks is None and md.num_prefills == 0 and md.num_decodes > 0
 
 
-def fused_decode(layer, md, plan, mixed_qkv, b, a, core_attn_out) -> None:
+def fused_decode(layer, md, decoder, mixed_qkv, b, a, core_attn_out) -> None:
     """vLLM's non-speculative decode branch with the packed step: the conv
     update on the native conv state, as vLLM runs it, then :func:`packed_decode`
-    on the layer's records."""
+    on the layer's records (the readout now, the writeback on its stream)."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.layers.mamba.ops.causal_conv1d import causal_conv1d_update
 
@@ -210,14 +227,14 @@ def fused_decode(layer, md, plan, mixed_qkv, b, a, core_attn_out) -> None:
         mixed_qkv[:n], conv if is_conv_state_dim_first() else conv.transpose(-1, -2),
         weight.view(weight.size(0), weight.size(2)), layer.conv1d.bias, layer.activation,
         conv_state_indices=slots, validate_data=False)
-    packed_decode(records, slots, plan, qkv, a[:n], b[:n], layer.A_log, layer.dt_bias,
+    packed_decode(records, slots, decoder, qkv, a[:n], b[:n], layer.A_log, layer.dt_bias,
                   layer.num_k_heads // layer.tp_size, core_attn_out[:n])
 
 
 def staged_forward_core(forward_core):
     """The CUDA path, ``layer._forward_core(mixed_qkv, b, a, out)``, which
     finds its metadata in vLLM's forward context: decode batches go through
-    the Triton step on the records in place, other batches are staged."""
+    the split Triton step on the records in place, other batches are staged."""
 
     @functools.wraps(forward_core)
     def run(self, mixed_qkv, b, a, core_attn_out):
@@ -231,9 +248,9 @@ def staged_forward_core(forward_core):
         if md is None:
             return forward_core(self, mixed_qkv, b, a, core_attn_out)
         if _is_decode_batch(md):
-            plan = decode_plan(pool, self.kv_cache[1].device)
-            if plan is not None:
-                return fused_decode(self, md, plan, mixed_qkv, b, a, core_attn_out)
+            decoder = decode_plan(pool, self.kv_cache[1].device, self.num_k_heads // self.tp_size)
+            if decoder is not None:
+                return fused_decode(self, md, decoder, mixed_qkv, b, a, core_attn_out)
         proxy, staged_md, finish = _stage(self, md, pool)
         table[self.prefix] = staged_md
         try:

@@ -8,35 +8,27 @@ import importlib.util
 import sys
 
 
-class _PostImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs ``hook(module)`` right after ``name`` is first executed."""
+class _PostImport(importlib.abc.MetaPathFinder):
+    """Finds ``name`` through the other finders, once, and has its loader run
+    ``hook(module)`` right after executing it."""
 
     def __init__(self, name: str, hook):
-        self.name, self.hook, self.spec = name, hook, None
+        self.name, self.hook = name, hook
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name or self.spec is not None:
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        self.spec = spec
-        self.inner = spec.loader
-        spec.loader = self
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            exec_module = spec.loader.exec_module
+
+            def exec_then_hook(module):
+                exec_module(module)
+                self.hook(module)
+
+            spec.loader.exec_module = exec_then_hook
         return spec
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
-
-    def exec_module(self, module):
-        self.inner.exec_module(module)
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        self.hook(module)
 
 
 def after_import(name: str, hook) -> None:

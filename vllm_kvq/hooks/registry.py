@@ -20,8 +20,17 @@ BACKEND_CLASS = "vllm_kvq.backends.oscar.OscarBackend"
 
 
 def install() -> None:
-    _register_backend()
-    _register_kv_cache_spec()
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
+
+    from vllm_kvq.backends.kv_spec import OscarAttentionSpec, OscarKVCacheManager
+    from vllm_kvq.backends.oscar import BACKEND_NAME
+
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_CLASS)
+    AttentionBackendEnum[BACKEND_NAME].__reduce_ex__ = lambda proto, _n=BACKEND_NAME: (restore_backend, (_n,))
+    KVCacheSpecRegistry._ensure_registered()
+    KVCacheSpecRegistry.register(OscarAttentionSpec, OscarKVCacheManager, OscarAttentionSpec)
     _patch_platforms()
 
 
@@ -34,31 +43,6 @@ def restore_backend(name: str):
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     return AttentionBackendEnum[name]
-
-
-def _register_backend() -> None:
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    from vllm_kvq.backends.oscar import BACKEND_NAME
-
-    if BACKEND_NAME not in AttentionBackendEnum.__members__:
-        register_backend(BACKEND_NAME, BACKEND_CLASS)
-    member = AttentionBackendEnum[BACKEND_NAME]
-    member.__reduce_ex__ = lambda proto, _n=BACKEND_NAME: (restore_backend, (_n,))
-
-
-def _register_kv_cache_spec() -> None:
-    from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
-
-    from vllm_kvq.backends.kv_spec import OscarAttentionSpec, OscarKVCacheManager
-
-    KVCacheSpecRegistry._ensure_registered()
-    KVCacheSpecRegistry.register(OscarAttentionSpec, OscarKVCacheManager, OscarAttentionSpec)
-
-
-def is_oscar(vllm_config) -> bool:
-    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
-    return backend is not None and getattr(backend, "name", None) == "OSCAR"
 
 
 def _patch_platforms() -> None:
@@ -76,7 +60,7 @@ def _patch_platforms() -> None:
         orig_check(cls, vllm_config)
         from vllm_kvq.backends.startup import check_oscar_config, check_state_config
 
-        if is_oscar(vllm_config):
+        if getattr(getattr(vllm_config.attention_config, "backend", None), "name", None) == "OSCAR":
             check_oscar_config(vllm_config)
         check_state_config(vllm_config)
 
@@ -89,10 +73,8 @@ def _patch_platforms() -> None:
         def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
             # The CPU platform otherwise always answers CPU_ATTN.
             if getattr(selected_backend, "name", None) == "OSCAR" and not attn_selector_config.use_mla:
-                reasons = selected_backend.get_class().validate_configuration(
-                    device_capability=None, **attn_selector_config._asdict()
-                )
-                if reasons:
+                if reasons := selected_backend.get_class().validate_configuration(
+                        device_capability=None, **attn_selector_config._asdict()):
                     raise ValueError(f"OSCAR cannot serve this model: {', '.join(reasons)}")
                 return selected_backend.get_path()
             return orig_get(cls, selected_backend, attn_selector_config, num_heads)

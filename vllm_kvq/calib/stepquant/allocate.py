@@ -29,10 +29,8 @@ def lifetime_weight(log_decay: torch.Tensor, horizon: int = HORIZON) -> torch.Te
     ell = log_decay.double()
     if not torch.isfinite(ell[~torch.isneginf(ell)]).all() or (ell > 0).any():
         raise ValueError(f"mean log decay must be <= 0 and not NaN, got {ell.tolist()}")
-    two = 2.0 * ell
-    safe = torch.where(ell == 0, torch.full_like(ell, -1.0), two)
-    out = torch.expm1(horizon * safe) / torch.expm1(safe)
-    return torch.where(ell == 0, torch.full_like(ell, float(horizon)), out)
+    safe = torch.where(ell == 0, -1.0, 2.0 * ell)
+    return torch.where(ell == 0, float(horizon), torch.expm1(horizon * safe) / torch.expm1(safe))
 
 
 def impact_factors(omega: torch.Tensor, gamma: float = GAMMA) -> torch.Tensor:
@@ -53,8 +51,6 @@ def knapsack(cost: np.ndarray, widths: tuple[int, ...], budget: int) -> tuple[li
     backtracking; O(n · budget · |widths|). Ties keep the narrower width.
     """
     n = cost.shape[0]
-    if n == 0:
-        return [], 0.0
     if min(widths) * n > budget:
         raise ValueError(f"budget {budget} bits cannot hold {n} units of at least {min(widths)} bits")
     inf = float("inf")
@@ -96,9 +92,8 @@ def allocate_layer(cost: np.ndarray, widths: tuple[int, ...], nominal: int, pivo
     chosen: list[int] = []
     if pivots:
         init, _ = knapsack(cost, widths, nominal * hv)
-        risk = np.array([cost[h, widths.index(b)] for h, b in enumerate(init)])
-        order = sorted(range(hv), key=lambda h: (-risk[h], h))
-        chosen = sorted(order[:pivots])
+        risk = [cost[h, widths.index(b)] for h, b in enumerate(init)]
+        chosen = sorted(sorted(range(hv), key=lambda h: (-risk[h], h))[:pivots])
     rest = [h for h in range(hv) if h not in chosen]
     sub, total = knapsack(cost[rest], widths, nominal * hv - PIVOT_BUDGET_BITS * pivots)
     bits = [PIVOT] * hv

@@ -25,10 +25,7 @@ KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rul
 
 def gdn_modules(model) -> dict[int, torch.nn.Module]:
     """GDN modules by global layer id (their ``layer_idx``)."""
-    out = {}
-    for _, m in model.named_modules():
-        if type(m).__name__.endswith("GatedDeltaNet"):
-            out[int(m.layer_idx)] = m
+    out = {int(m.layer_idx): m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")}
     if not out:
         raise ValueError("no gated-delta-net layers found; STEPQuant calibration needs a GDN hybrid "
                          "(Qwen3-Next / Qwen3.5)")
@@ -42,19 +39,9 @@ def capture(model, collector: StateStatsCollector):
     current = {"layer": None}
 
     def kernel(*args, **kwargs):
-        idx = current["layer"]
-        box = {}
-
-        def on_inputs(q, k, v, g, beta):
-            box["st"] = collector.observe_inputs(idx, q, k, v, g, beta)
-            box["hook"] = collector.state_hook(box["st"])
-
-        def on_update(t, s):
-            box["hook"](t, s)
-
-        out = gated_delta_rule(*args, on_inputs=on_inputs, on_update=on_update, **kwargs)
-        box["st"].updates += args[0].shape[1] if args else kwargs["query"].shape[1]
-        return out
+        hook = []  # the state callback, once the inputs are seen
+        on_inputs = lambda *x: hook.append(collector.observe_inputs(current["layer"], *x))  # noqa: E731
+        return gated_delta_rule(*args, on_inputs=on_inputs, on_update=lambda t, s: hook[0](t, s), **kwargs)
 
     handles = [m.register_forward_pre_hook(lambda mod, _a, _i=i: current.__setitem__("layer", _i))
                for i, m in modules.items()]
@@ -72,13 +59,6 @@ def capture(model, collector: StateStatsCollector):
             setattr(py_mod, name, fn)
         for h in handles:
             h.remove()
-
-
-def load_model(model_dir: str, device: str, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    return model.to(device).eval()
 
 
 class _Done(Exception):

@@ -19,17 +19,12 @@ from collections.abc import Callable
 
 import torch
 
-from vllm_kvq.calib.stepquant.threads import single_thread
+from vllm_kvq.calib import single_thread
 from vllm_kvq.kernels.stepquant.reference import normalize_qk
 
 def prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel: bool):
-    """Kernel inputs ``[B, T, H, D]`` / ``[B, T, H]`` → fp32 ``[B, H, T, ...]``.
-
-    Key heads are shared by consecutive value heads (value head h reads key
-    head ``h // (HV / HK)``), the mapping transformers applies with
-    ``repeat_interleave`` before calling the kernel; inputs that still carry
-    HK key heads are expanded the same way.
-    """
+    """Kernel inputs ``[B, T, H, D]`` / ``[B, T, H]`` → fp32 ``[B, H, T, ...]``; HK key
+    heads are expanded as transformers does (value head h reads key head ``h // (HV / HK)``)."""
     hv, hk = value.shape[2], key.shape[2]
     if hk != hv:
         if hv % hk:
@@ -47,9 +42,7 @@ def prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel: bool):
 def run_recurrence(q, k, v, g, beta, initial_state: torch.Tensor | None = None,
                    on_update: Callable[[int, torch.Tensor], None] | None = None):
     """The loop on prepared fp32 inputs ``[B, H, T, D]``; returns (y ``[B, H, T, V]``, S ``[B, H, K, V]``).
-
-    ``on_update(t, S)`` sees the live state after update t (clone to keep it).
-    """
+    ``on_update(t, S)`` sees the live state after update t (clone to keep it)."""
     b, h, t_len, kd = k.shape
     vd = v.shape[-1]
     s = torch.zeros(b, h, kd, vd, dtype=torch.float32, device=v.device) if initial_state is None \
@@ -76,15 +69,12 @@ def run_recurrence(q, k, v, g, beta, initial_state: torch.Tensor | None = None,
 def gated_delta_rule(query, key, value, g, beta, chunk_size: int = 64, initial_state=None,
                      output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
                      on_update=None, on_inputs=None, cu_seqlens=None, **_ignored):
-    """transformers-compatible entry point (``chunk_size`` is ignored).
-
-    ``on_inputs(q, k, v, g, beta)`` receives the prepared fp32 inputs once.
-    """
+    """transformers-compatible entry point (``chunk_size`` is ignored); ``on_inputs(q, k, v, g, beta)``
+    receives the prepared fp32 inputs once."""
     if cu_seqlens is not None:
         raise NotImplementedError("packed (varlen) sequences: calibrate with one sequence per batch row")
-    dtype = query.dtype
     q, k, v, g32, b32 = prepare(query, key, value, g, beta, use_qk_l2norm_in_kernel)
     if on_inputs is not None:
         on_inputs(q, k, v, g32, b32)
     y, s = run_recurrence(q, k, v, g32, b32, initial_state, on_update)
-    return y.transpose(1, 2).contiguous().to(dtype), (s if output_final_state else None)
+    return y.transpose(1, 2).contiguous().to(query.dtype), (s if output_final_state else None)

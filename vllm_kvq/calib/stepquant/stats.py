@@ -51,11 +51,9 @@ class Reservoir:
 
     def put(self, slot: int, item: torch.Tensor, step: int) -> None:
         if slot == len(self.items):
-            self.items.append(item)
-            self.steps.append(step)
-        else:
-            self.items[slot] = item
-            self.steps[slot] = step
+            self.items.append(None)
+            self.steps.append(None)
+        self.items[slot], self.steps[slot] = item, step
 
 
 @dataclass
@@ -65,7 +63,7 @@ class LayerStats:
     log_decay_sum: torch.Tensor = None  # [HV] fp64
     omega_sum: torch.Tensor = None  # [HV, K] fp64
     tokens: int = 0
-    updates: int = 0  # updates seen before the current call (for the snapshot cadence)
+    updates: int = 0  # updates seen so far (for the snapshot cadence)
     snapshots: Reservoir = None
 
     def __post_init__(self):
@@ -95,23 +93,18 @@ class StateStatsCollector:
         self.every, self.reservoir, self.seed = every, reservoir, seed
         self.layers: dict[int, LayerStats] = {}
 
-    def layer(self, idx: int, num_heads: int, k_dim: int) -> LayerStats:
-        if idx not in self.layers:
-            self.layers[idx] = LayerStats(num_heads, k_dim, snapshots=Reservoir(self.reservoir, self.seed))
-        return self.layers[idx]
-
-    def observe_inputs(self, idx: int, q, k, v, g, beta) -> LayerStats:
-        """Fold one call's gates and row gains in (inputs ``[B, H, T, ...]`` fp32)."""
+    def observe_inputs(self, idx: int, q, k, v, g, beta):
+        """Fold one call's gates and row gains in (inputs ``[B, H, T, ...]``
+        fp32); returns the ``on_update`` callback of its recurrence, which
+        offers every ``every``-th state of each sequence to the reservoir."""
         b, h, t, kd = k.shape
-        st = self.layer(idx, h, kd)
+        if idx not in self.layers:
+            self.layers[idx] = LayerStats(h, kd, snapshots=Reservoir(self.reservoir, self.seed))
+        st = self.layers[idx]
         st.log_decay_sum += g.double().sum((0, 2)).cpu()
         st.omega_sum += row_gain(q, k, g, beta).double().square().sum((0, 2)).cpu()
         st.tokens += b * t
-        return st
-
-    def state_hook(self, st: LayerStats):
-        """An ``on_update`` callback that offers every ``every``-th state of each sequence."""
-        base = st.updates
+        base, st.updates = st.updates, st.updates + t
 
         def on_update(t: int, s: torch.Tensor) -> None:
             if (base + t + 1) % self.every:

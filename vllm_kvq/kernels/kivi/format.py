@@ -45,25 +45,18 @@ class KiviFormat(PagedFormat):
     """Sizes and offsets of one KIVI-style layer's pages."""
 
     token_group: int = TOKEN_GROUP
-    key_pairs: str = "fp16"
-    """``fp16``: one fp16 (scale, min) per channel and key group. ``int8``: the
-    channel's (min, max) as int8 multiples of one fp16 step per key group and
-    head (``2D + 2`` bytes per group instead of ``4D``)."""
+    key_pairs: str = "fp16"  # "fp16" or "int8" (above)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.block_size % self.token_group or (4 * self.head_size) % self.token_group:
-            raise ValueError(
-                f"KIVI keys are quantized in groups of {self.token_group} positions (kvq.key_group); "
-                f"it must divide the block size {self.block_size} and 4 x head size"
-            )
+            raise ValueError(f"KIVI keys are quantized in groups of {self.token_group} positions (kvq.key_group); "
+                             f"it must divide the block size {self.block_size} and 4 x head size")
         if self.key_pairs not in ("fp16", "int8"):
             raise ValueError(f"kvq.key_pairs must be 'fp16' or 'int8', got {self.key_pairs!r}")
         if self.window < self.token_group:
-            raise ValueError(
-                f"KIVI reads a key group in BF16 until its {self.token_group} positions are known; "
-                f"kvq.window must be >= {self.token_group}, got {self.window}"
-            )
+            raise ValueError(f"KIVI reads a key group in BF16 until its {self.token_group} positions are known; "
+                             f"kvq.window must be >= {self.token_group}, got {self.window}")
 
     @property
     def code_bytes(self) -> int:

@@ -36,7 +36,8 @@ brings consecutive code bytes of a key.
 State block region (per KV head): ``rows = (KB * C) // (4D)`` slots of one BF16
 K row and one BF16 V row each (``[rows, 2, D]`` bf16, the tail unused). The R
 state blocks together give ``S0 + W`` slots: slot ``p`` holds sink position
-``p < S0``; slot ``S0 + (p - S0) % W`` holds window position ``p >= S0``.
+``p < S0``; slot ``S0 + (p - S0) % W`` holds window position ``p >= S0``
+(``W + k`` slots and ``% (W + k)`` with ``k`` speculative tokens a step).
 
 Worked sizes (D = 128, KB = 128, S0 = 64, W = 256):
 
@@ -54,7 +55,7 @@ and window tokens too), so a row never has to move when it leaves the window.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 WIDTH_STEP = 16
 """Tier widths are multiples of this (the kernels unpack at least 4 bytes of
@@ -209,6 +210,10 @@ class PagedFormat:
     block_size: int
     sink: int
     window: int
+    ring_slack: int = field(default=0, kw_only=True)
+    """Extra ring slots for speculative decoding: a step writes the BF16 rows
+    of its draft tokens before they are verified, and with ``k`` spare slots
+    a rejected draft only overwrites a row no later query reads."""
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.window < 0:
@@ -229,8 +234,13 @@ class PagedFormat:
         return self.block_size * self.bytes_per_token
 
     @property
+    def ring(self) -> int:
+        """Slots of the window ring: W, plus the speculative slack."""
+        return self.window + self.ring_slack
+
+    @property
     def state_slots(self) -> int:
-        return self.sink + self.window
+        return self.sink + self.ring
 
     @property
     def state_row_bytes(self) -> int:

@@ -152,7 +152,7 @@ def _has_bf16_row(positions: torch.Tensor, seq_len: int, fmt: PagedFormat) -> to
 def _state_location(block_row: torch.Tensor, positions: torch.Tensor,
                     fmt: PagedFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Physical state block and row of each sink/window position."""
-    slots = torch.where(positions < fmt.sink, positions, fmt.sink + (positions - fmt.sink) % max(fmt.window, 1))
+    slots = torch.where(positions < fmt.sink, positions, fmt.sink + (positions - fmt.sink) % max(fmt.ring, 1))
     rows = fmt.state_rows_per_block
     return block_row[torch.div(slots, rows, rounding_mode="floor")].long(), slots % rows
 

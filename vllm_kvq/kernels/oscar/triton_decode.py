@@ -1,10 +1,15 @@
-"""Split-KV OSCAR decode: one query token per request over the quantized
-pages plus the BF16 sink and window, merged by log-sum-exp.
+"""Split-KV OSCAR decode: the last query tokens of each request (one, or
+one plus the drafts a speculative step verifies) over the quantized pages
+plus the BF16 sink and window, merged by log-sum-exp.
 
-Twin of :func:`reference.mixed_attention` for a single query at position
-``L - 1`` of a request of length ``L``: keys ``[S0, L - W)`` are read
+Twin of :func:`reference.mixed_attention` for a query at position ``L - 1``
+(``L`` the length up to and including it): keys ``[S0, L - W)`` are read
 quantized, the sink ``[0, S0)`` and the window ``[L - W, L)`` BF16 from the
-state blocks.
+state blocks. With ``Q`` query tokens a request, query row ``i`` is request
+``i // Q``'s at ``L = seq_len - (Q - 1 - i % Q)``: each row has its own
+window edge, and causality follows from ``L``. The step's own rows are
+stored first (``triton_store.store_decode_tokens``); the ring of ``W + k``
+slots keeps every row a query of the step reads in BF16.
 
 Grid ``(B, H, splits + bf16 programs)``: programs ``0 .. splits-1`` of a
 (request, KV head) stream equal slices of its quantized range; the others
@@ -460,16 +465,23 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H
 
 @triton.jit
 def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, H, h, D: tl.constexpr,
-               BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, ROWS: tl.constexpr,
-               GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
+               BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
+               ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
     """BLOCK_N state slots (chunk ``chunk``) of the live BF16 sink/window rows."""
     d = tl.arange(0, D)
     q = (tl.load(q_base[:, None] + d[None, :], mask=qmask[:, None], other=0.0).to(tl.float32)
          * q_scale).to(tl.float16)
-    # ring slots fill in order, so the live slots are exactly 0 .. min(L, S0 + W)
-    n_rows = tl.minimum(L, SINK + WINDOW)
     slot = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = slot < n_rows
+    if RING == WINDOW:
+        # ring slots fill in order, so the live slots are exactly 0 .. min(L, S0 + W)
+        ok = slot < tl.minimum(L, SINK + WINDOW)
+    else:
+        # a slot past the sink holds the latest position up to L - 1 that maps
+        # to it; live if that position is inside the window (the other k
+        # slots hold older rows, or drafts a later step rejected)
+        last = L - 1
+        pos = last - ((tl.maximum(last - SINK, 0) % RING) - (slot - SINK) + RING) % RING
+        ok = tl.where(slot < SINK, slot < L, (slot < SINK + RING) & (pos >= tl.maximum(L - WINDOW, SINK)))
     sblk = tl.load(row + slot // ROWS, mask=ok, other=0).to(tl.int64)
     sbase = (sblk * H + h) * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D)
     k = tl.load(cache_bf16 + sbase[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
@@ -492,10 +504,10 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
                    H, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                    KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
                    V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr,
-                   SINK: tl.constexpr, WINDOW: tl.constexpr, STATE_BLOCKS: tl.constexpr,
+                   SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr,
                    ROWS: tl.constexpr, NUM_BF16: tl.constexpr,
                    BLOCK_N: tl.constexpr, ASM: tl.constexpr, NSTAGE: tl.constexpr,
-                   TILE: tl.constexpr):
+                   TILE: tl.constexpr, Q: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -503,8 +515,13 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     qmask = gi < GROUP
     hq = h * GROUP + gi
     q_base = q_ptr + b.to(tl.int64) * stride_qb + hq * stride_qh
-    row = bt_ptr + b.to(tl.int64) * bt_stride
-    L = tl.load(seq_ptr + b)
+    if Q == 1:
+        row = bt_ptr + b.to(tl.int64) * bt_stride
+        L = tl.load(seq_ptr + b)
+    else:  # query row b: request b // Q, its (b % Q)-th of the last Q positions
+        req = b // Q
+        row = bt_ptr + req.to(tl.int64) * bt_stride
+        L = tl.maximum(tl.load(seq_ptr + req) - (Q - 1 - b % Q), 0)
     part = (b * HQ + hq).to(tl.int64) * (num_splits + NUM_BF16) + split
     o_base = o_ptr + part * D
     if split < num_splits:
@@ -513,7 +530,7 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
                STATE_BLOCKS, GP, ASM, NSTAGE, TILE)
     else:
         _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits, H, h, D,
-                   BLOCK_BYTES, SINK, WINDOW, ROWS, GP, BLOCK_N, q_scale)
+                   BLOCK_BYTES, SINK, WINDOW, RING, ROWS, GP, BLOCK_N, q_scale)
 
 
 @triton.jit
@@ -577,17 +594,23 @@ def decode_attention(
     out: torch.Tensor,
     launch: dict | None = None,
     fills=(None, None),
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Attention of ``q [B, Hq, D]`` (rotated; position ``seq_lens - 1``, its
-    own K/V already stored) over each request's cache, into ``out [B, Hq, D]``.
-    ``launch``: Triton launch options over :func:`default_launch` (num_warps,
-    num_stages, tile, bf16_rows); ``fills``: the K and V 0-bit tiers' means
-    ``[H, width]`` (this rank's KV heads)."""
+    """Attention of ``q [B * query_len, Hq, D]`` (rotated; the last
+    ``query_len`` positions of each request, ending at ``seq_lens - 1``, their
+    own K/V already stored) over each request's cache, causal, into ``out``
+    (the shape of ``q``). ``launch``: Triton launch options over
+    :func:`default_launch` (num_warps, num_stages, tile, bf16_rows);
+    ``fills``: the K and V 0-bit tiers' means ``[H, width]`` (this rank's KV
+    heads)."""
     b, hq, d = q.shape
     h = kv_cache.shape[1]
     group = hq // h
     if fmt.block_size < 16:
         raise ValueError(f"OSCAR Triton decode needs block_size >= 16, got {fmt.block_size}")
+    if query_len > 1 + fmt.ring_slack:
+        raise ValueError(f"{query_len} query tokens a request need a ring of W + {query_len - 1} slots, "
+                         f"the format has W + {fmt.ring_slack}")
     if b == 0:
         return out
     if q.stride(2) != 1:
@@ -595,7 +618,7 @@ def decode_attention(
     lc = {**default_launch(group, d), **(launch or {})}
     # a block shorter than the step takes one step a page, masked past its end
     tile = min(lc["tile"], triton.next_power_of_2(fmt.block_size))
-    n_bf16 = triton.cdiv(max(fmt.sink + fmt.window, 1), lc["bf16_rows"])
+    n_bf16 = triton.cdiv(max(fmt.sink + fmt.ring, 1), lc["bf16_rows"])
     parts = splits + n_bf16
     o_part = torch.empty(b, hq, parts, d, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(b, hq, parts, dtype=torch.float32, device=q.device)
@@ -606,9 +629,9 @@ def decode_attention(
         scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
         KP=row_pieces(fmt.k.code_bytes), VP=row_pieces(fmt.v.code_bytes), K4=fmt.k.int4, K2=fmt.k.int2,
         V4=fmt.v.int4, V2=fmt.v.int2, D=d, KB=fmt.block_size, BLOCK_BYTES=fmt.block_bytes,
-        SINK=fmt.sink, WINDOW=fmt.window, STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
-        NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=_compiled(q), NSTAGE=lc["num_stages"],
-        TILE=tile, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
+        ROWS=fmt.state_rows_per_block, NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=_compiled(q),
+        NSTAGE=lc["num_stages"], TILE=tile, Q=query_len, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)
     return out

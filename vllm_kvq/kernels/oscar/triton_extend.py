@@ -298,7 +298,7 @@ def extend_attention(
         fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device),
         out, out.stride(0), out.stride(1),
         h, GROUP=group, HEADS=heads, D=d, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
-        KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1),
+        KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1),
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         BLOCK_M=BLOCK_M, BLOCK_N=key_tile(lc["block_n"], d, fmt.block_size), num_warps=lc["num_warps"],
     )

@@ -25,6 +25,9 @@ packing is a sum over the last axis.
 
 A token at position -1 (its request has length 0: the padding vLLM adds to a
 batch replayed from a CUDA graph) or with a negative slot writes nothing.
+
+The window ring has ``fmt.ring`` slots (``W + k`` with ``k`` speculative
+tokens a step), addressed ``S0 + (p - S0) mod ring`` as in the reference.
 """
 
 from __future__ import annotations
@@ -196,7 +199,7 @@ def _store_kernel(
     K4: tl.constexpr, K2: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PARTS: tl.constexpr, DATA: tl.constexpr, STATE: tl.constexpr,
-    T: tl.constexpr, ASM: tl.constexpr, DECODE: tl.constexpr, SLOTS: tl.constexpr,
+    T: tl.constexpr, ASM: tl.constexpr, DECODE: tl.constexpr, SLOTS: tl.constexpr, Q: tl.constexpr,
 ):
     pid_t = tl.program_id(0)
     h = tl.program_id(1)
@@ -236,10 +239,10 @@ def _store_kernel(
 
     tok = pid_t * T + tl.arange(0, T)
     tok_ok = tok < n_tokens
-    if DECODE:
-        req = tok
-        end = tl.load(end_ptr + tok, mask=tok_ok, other=0)
-        pos = end - 1
+    if DECODE:  # Q tokens a request, the last Q positions of its sequence
+        req = tok // Q
+        end = tl.load(end_ptr + req, mask=tok_ok, other=0)
+        pos = end - Q + tok % Q
     else:
         pos = tl.load(pos_ptr + tok, mask=tok_ok, other=-1)
         req = tl.load(req_ptr + tok, mask=tok_ok, other=0)
@@ -375,9 +378,15 @@ def store_decode_tokens(
     v_clip: float,
     slot_mapping: torch.Tensor | None = None,
     launch: dict | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """:func:`store_tokens` for a batch of single-token requests: token ``i``
-    is request ``i``'s, at position ``seq_lens[i] - 1``.
+    """:func:`store_tokens` for a batch of requests of ``query_len`` tokens
+    each (one decoded token, or one plus the drafts being verified): token
+    ``i`` is request ``i // query_len``'s, at position ``seq_lens[i //
+    query_len] - query_len + i % query_len``. All of them are stored, BF16
+    rows included, before attention reads: with ``query_len <= 1 + k`` and a
+    ring of ``W + k`` slots a new row only replaces one no query of the step
+    reads in BF16.
 
     Reads nothing but device tensors (no per-step index), so a CUDA graph that
     captured it replays any batch written into the same ``seq_lens``,
@@ -385,8 +394,11 @@ def store_decode_tokens(
     and, with ``slot_mapping``, tokens whose slot is negative (vLLM's padding
     and dummy batches) write nothing.
     """
+    if query_len > 1 + fmt.ring_slack:
+        raise ValueError(f"{query_len} query tokens a request need a ring of W + {query_len - 1} slots, "
+                         f"the format has W + {fmt.ring_slack}")
     return _launch(kv_cache, fmt, k, v, k_rotation, None, None, seq_lens, slot_mapping, block_table,
-                   k_clip, v_clip, True, True, launch)
+                   k_clip, v_clip, True, True, launch, query_len)
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -404,7 +416,7 @@ def check_shapes(head_size: int) -> str | None:
 
 
 def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_mapping, block_table,
-            k_clip, v_clip, data, state, launch) -> torch.Tensor:
+            k_clip, v_clip, data, state, launch, query_len=1) -> torch.Tensor:
     n, h, d = k.shape
     if not kv_cache.is_contiguous():
         raise ValueError("OSCAR pages must be one contiguous [blocks, H, KB, C] tensor per layer")
@@ -425,7 +437,7 @@ def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_m
         # below the tensor cores' 16 rows
         k_out = torch.einsum("thd,hde->the", k.float(), k_rotation.float().sum(0)).to(torch.bfloat16)
         _launch(kv_cache, fmt, k_out, v, None, positions, request, seq_end, slot_mapping, block_table,
-                k_clip, v_clip, data, state, launch)
+                k_clip, v_clip, data, state, launch, query_len)
         return k_out
     kb, vb = _bf16_rows(k), _bf16_rows(v)
     k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
@@ -436,9 +448,9 @@ def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_m
         kv_cache, n, entries_above_clip(k_clip, fmt.k.int2), entries_above_clip(v_clip, fmt.v.int2),
         kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
         H=h, D=d, KB=fmt.block_size, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
-        SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.window, 1), STATE_BLOCKS=fmt.state_blocks,
+        SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
         ROWS=fmt.state_rows_per_block, ROTATE=rotate, ROT_PARTS=k_rotation.shape[0] if rotate else 1,
         DATA=data, STATE=state, T=rows, ASM=_compiled(k), DECODE=decode, SLOTS=slot_mapping is not None,
-        **lc,
+        Q=query_len, **lc,
     )
     return k_out

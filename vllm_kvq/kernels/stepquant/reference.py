@@ -17,6 +17,14 @@ The dual-axis fit, per integer head and step (``fit="stepquant"``):
 scale per key row (``r_i = max_j |X_ij| / qmax``, ``c = 1``), no impact, no
 refit.
 
+On CUDA the step runs split (``triton_step.py``): :func:`foreground` is what
+the layer waits for (the readout of the unquantized X, δ and per-row partial
+sums of |X|, the records only read), :func:`writeback` the rest (X rebuilt
+from the old record and the rank-1 update, the fit from the partials, the
+repack), which runs beside later layers. Together they give :func:`step`'s
+records except where the partials' summation order moves a row factor
+across an fp16 rounding boundary.
+
 Being the CPU serving path, the code minds its passes over memory: on CPU the
 batch is fitted in slices of requests that stay in cache, temporaries reuse
 one scratch, and same-width consecutive heads are read as views. Each of
@@ -71,16 +79,21 @@ def _levels_into(y: torch.Tensor, bits: int) -> torch.Tensor:
     return y.round_().clamp_(-q, q)
 
 
-def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "stepquant"):
+def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "stepquant",
+              row_stat: torch.Tensor | None = None):
     """Fit one width's heads. ``x`` [N, h, K, V] fp32, ``impact`` [h, K].
 
-    Returns (codes z as float [N, h, K, V], row scales [N, h, K, n_r],
-    column scales [N, h, V]), the scales already fp16-rounded.
+    ``row_stat`` [N, h, K, n_r]: each row's mean |X| (``stepquant``; per
+    32-column group for INT2) or max |X| (``rowwise``) when it is already
+    known (the split step's foreground sums it while it has X), else taken
+    from ``x``. Returns (codes z as float [N, h, K, V], row scales [N, h, K,
+    n_r], column scales [N, h, V]), the scales already fp16-rounded.
     """
     n, h, k, v = x.shape
     q = float(qmax(bits))
     if fit == "rowwise":
-        r = fp16_round(x.abs().amax(-1, keepdim=True) / q)
+        peak = x.abs().amax(-1, keepdim=True) if row_stat is None else row_stat
+        r = fp16_round(peak / q)
         c = torch.ones(n, h, v, dtype=torch.float32, device=x.device)
         return _levels_into(x / r, bits), r, c
     if fit != "stepquant":
@@ -89,7 +102,8 @@ def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "step
     xg = x.view(n, h, k, groups, v // groups)  # row factors per value group
     w = impact.float().view(1, h, k, 1, 1)
     big = torch.empty_like(xg)  # one scratch for the element-wise temporaries
-    r = fp16_round(torch.sqrt(torch.abs(xg, out=big).mean(-1, keepdim=True).clamp_min(1e-20) / w))
+    mag = torch.abs(xg, out=big).mean(-1, keepdim=True) if row_stat is None else row_stat.view(n, h, k, groups, 1)
+    r = fp16_round(torch.sqrt(mag.clamp_min(1e-20) / w))
     y = xg / r
     c = fp16_round(torch.abs(y, out=big).amax(2, keepdim=True) / q)  # [N, h, 1, G, V/G]
     vals = _levels_into(torch.div(y, c, out=big), bits).mul_(r)  # z * r
@@ -99,6 +113,17 @@ def fit_heads(x: torch.Tensor, impact: torch.Tensor, bits: int, fit: str = "step
     c = torch.where(den > 0, fp16_round(num / den.clamp_min(1e-30)), c)
     z = _levels_into(torch.div(y, c, out=big), bits)
     return z.view(n, h, k, v), r.view(n, h, k, groups), c.view(n, h, v)
+
+
+def _row_stat(parts: torch.Tensor, bits: int, v: int, fit: str) -> torch.Tensor:
+    """The row statistic :func:`fit_heads` takes, ``[N, h, K, n_r]``, from the
+    foreground's row partials ``[N, h, V/P, K]`` (sum or max of |X| over each
+    P value columns; P = 32 where INT2 heads need one per column group)."""
+    if fit == "rowwise":
+        return parts.amax(2).unsqueeze(-1)
+    if bits == 2:
+        return parts.transpose(-1, -2) / INT2_GROUP
+    return (parts.sum(2) / v).unsqueeze(-1)
 
 
 # ---------------------------------------------------------------------------
@@ -176,10 +201,14 @@ def _heads(x: torch.Tensor, rq: slice, idx: list[int]) -> torch.Tensor:
     return x[rq, idx]
 
 
-def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant") -> torch.Tensor:
-    """Fit and pack states ``[N, H, K, V]`` into records ``[N, layout.size]``."""
+def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant",
+           parts: torch.Tensor | None = None) -> torch.Tensor:
+    """Fit and pack states ``[N, H, K, V]`` into records ``[N, layout.size]``;
+    with ``parts`` (see :func:`foreground`) the row factors come from them."""
     n, h, k, v = x.shape
     assert (h, k, v) == (len(layout.bits), layout.k_dim, layout.v_dim), (x.shape, layout)
+    if parts is not None and 2 in layout.bits and parts.shape[2] != v // INT2_GROUP:
+        raise ValueError(f"INT2 heads need row partials per {INT2_GROUP} columns, got {parts.shape[2]} per row")
     x = x.float()
     out = torch.empty(n, layout.size, dtype=torch.uint8, device=x.device)
     out[:, layout.packed_bytes :] = 0  # heads fill [0, packed_bytes) back to back
@@ -194,7 +223,8 @@ def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str 
                     s = slots[i]
                     dst[:, s.codes : s.codes + s.codes_bytes] = _fp16_bytes(blob[:, j])
                 continue
-            z, r, c = fit_heads(xs, impact[idx], bits, fit)
+            stat = None if parts is None else _row_stat(_heads(parts, rq, idx), bits, v, fit)
+            z, r, c = fit_heads(xs, impact[idx], bits, fit, stat)
             packed = pack_codes(_to_unsigned(z, bits), bits)
             r16, c16 = r.half(), c.half()
             for j, i in enumerate(idx):
@@ -235,6 +265,16 @@ def roundtrip(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: s
 # ---------------------------------------------------------------------------
 
 
+def _update(records, layout, q, k, v, g, beta):
+    """The gated delta rule on the decoded records: (X, out, δ)."""
+    x_hat = decode(records, layout)
+    s = torch.exp(g.float())[..., None, None] * x_hat
+    k, q = k.float(), q.float()
+    delta = beta.float().unsqueeze(-1) * (v.float() - (s * k.unsqueeze(-1)).sum(-2))
+    x = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    return x, (x * q.unsqueeze(-1)).sum(-2), delta
+
+
 def step(
     records: torch.Tensor,
     layout: StateLayout,
@@ -250,14 +290,38 @@ def step(
 
     ``records [N, size]``; ``q, k [N, H, K]`` per value head (L2-normed, q
     scaled; GQA callers expand key heads), ``v [N, H, V]``, ``g`` (log-decay)
-    and ``beta`` ``[N, H]``. Per head: ``S = exp(g) X̂``, ``X = S + k (β (v -
-    Sᵀk))ᵀ``, ``out = Xᵀq`` from the unquantized X (the paper's readout), and
-    ``new_records = encode(X)``. Returns (out fp32 [N, H, V], new_records).
+    and ``beta`` ``[N, H]``. Per head: ``S = exp(g) X̂``, ``X = S + k δᵀ`` with
+    ``δ = β (v - Sᵀk)``, ``out = Xᵀq`` from the unquantized X (the paper's
+    readout), and ``new_records = encode(X)``. Returns (out fp32 [N, H, V],
+    new_records).
     """
-    x_hat = decode(records, layout)
-    s = torch.exp(g.float())[..., None, None] * x_hat
-    k, q = k.float(), q.float()
-    resid = v.float() - (s * k.unsqueeze(-1)).sum(-2)
-    x = s + k.unsqueeze(-1) * (beta.float().unsqueeze(-1) * resid).unsqueeze(-2)
-    out = (x * q.unsqueeze(-1)).sum(-2)
+    x, out, _ = _update(records, layout, q, k, v, g, beta)
     return out, encode(x, layout, impact, fit)
+
+
+# ---------------------------------------------------------------------------
+# The same step split in two (the twins of the Triton foreground and writeback)
+# ---------------------------------------------------------------------------
+
+
+def foreground(records, layout, q, k, v, g, beta, fit: str = "stepquant", part: int = INT2_GROUP):
+    """What the layer waits for: the readout, and the small side products the
+    writeback needs. Inputs as :func:`step`. Returns (out [N, H, V], δ [N, H,
+    V], row partials [N, H, V/part, K]: sum of |X| over each ``part`` value
+    columns, or their max for the rowwise fit). The records are only read."""
+    x, out, delta = _update(records, layout, q, k, v, g, beta)
+    n, h, kd, vd = x.shape
+    ax = x.abs().view(n, h, kd, vd // part, part)
+    parts = ax.amax(-1) if fit == "rowwise" else ax.sum(-1)
+    return out, delta, parts.transpose(-1, -2).contiguous()
+
+
+def writeback(records, layout, impact, k, decay, delta, parts, fit: str = "stepquant") -> torch.Tensor:
+    """The rest of the step, off the critical path: rebuild ``X = decay X̂ + k
+    δᵀ`` from the old record and the rank-1 update (``k [N, H, K]``, ``decay =
+    exp(g) [N, H]``), take the row factors from the partials, fit the columns
+    and pack. Returns the new records; equal to :func:`step`'s except where
+    the partials' summation order moves a row factor across an fp16 rounding
+    boundary."""
+    x = decay.float()[..., None, None] * decode(records, layout) + k.float().unsqueeze(-1) * delta.unsqueeze(-2)
+    return encode(x, layout, impact, fit, parts=parts)

@@ -1,0 +1,95 @@
+"""Window checkpoints: copies of a request's state blocks at a block boundary.
+
+A prefix hit of ``b`` tokens reuses the cached INT2 data blocks of positions
+``0 .. b``, but the requester must also hold the BF16 rows its reads need: the
+sink and the last W positions before ``b``. Those exist only in the state
+blocks of the request that computed them, and only at the moment its computed
+length was exactly ``b``. A checkpoint is a copy of those R state blocks taken
+at that moment, cached in vLLM's block pool under keys derived from the hash
+of data block ``b / KB - 1``; a hit at ``b`` copies it into the requester's
+own state blocks. Each state block index gets its own key, so a checkpoint
+whose blocks were partly evicted is simply not found.
+
+This module keeps the key scheme and the per-pool demand bookkeeping; the
+manager in ``kv_spec.py`` decides when to take, restore and drop checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections import OrderedDict
+
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
+
+_TAG = b"vllm-kvq/oscar-window-checkpoint"
+_DEMAND_ENTRIES = 4096  # boundaries remembered per pool (oldest forgotten first)
+
+
+def checkpoint_key(boundary: BlockHash, index: int, group_id: int):
+    """Pool key of state block ``index`` of the checkpoint at ``boundary``
+    (the hash of the last data block before it); never a data block's key."""
+    digest = hashlib.sha256(_TAG + bytes(boundary) + index.to_bytes(4, "little")).digest()
+    return make_block_hash_with_group_id(BlockHash(digest), group_id)
+
+
+def find(block_pool, boundary: BlockHash, num_blocks: int, group_id: int):
+    """The checkpoint's blocks in state-block order, or None unless all are cached."""
+    cache = block_pool.cached_block_hash_to_block
+    blocks = []
+    for i in range(num_blocks):
+        block = cache.get_one_block(checkpoint_key(boundary, i, group_id))
+        if block is None:
+            return None
+        blocks.append(block)
+    return blocks
+
+
+def register(block_pool, boundary: BlockHash, blocks, group_id: int) -> None:
+    for i, block in enumerate(blocks):
+        block_pool._insert_block_hash(checkpoint_key(boundary, i, group_id), block, num_tokens=None)
+
+
+def drop(block_pool, boundary: BlockHash, num_blocks: int, group_id: int) -> None:
+    """Forget a checkpoint whose blocks nobody holds and put them at the head
+    of the free queue, to be reused first: left where they were (the tail, as
+    recently cached blocks) the next checkpoints would draw fresh blocks and
+    push older cached blocks out."""
+    cache = block_pool.cached_block_hash_to_block
+    released = []
+    for i in range(num_blocks):
+        block = cache.get_one_block(checkpoint_key(boundary, i, group_id))
+        if block is not None and block.ref_cnt == 0:
+            block_pool._maybe_evict_cached_block(block)
+            block_pool.free_block_queue.remove(block)
+            released.append(block)
+    block_pool.free_block_queue.prepend_n(released)
+
+
+class Demand:
+    """Boundaries that lookups asked for. A request keeps only its newest
+    checkpoint unless an older one was hit, or a lookup found data blocks up
+    to that boundary without a checkpoint there (a shared-prefix junction)."""
+
+    def __init__(self) -> None:
+        self._asked: OrderedDict[BlockHash, None] = OrderedDict()
+
+    def ask(self, boundary: BlockHash) -> None:
+        self._asked[boundary] = None
+        self._asked.move_to_end(boundary)
+        while len(self._asked) > _DEMAND_ENTRIES:
+            self._asked.popitem(last=False)
+
+    def asked(self, boundary: BlockHash) -> bool:
+        return boundary in self._asked
+
+
+_DEMAND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def demand(block_pool) -> Demand:
+    """The demand record of one block pool (shared by its OSCAR groups)."""
+    record = _DEMAND.get(block_pool)
+    if record is None:
+        record = _DEMAND[block_pool] = Demand()
+    return record
