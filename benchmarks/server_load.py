@@ -13,8 +13,8 @@ and after the load, equals offline ``LLM.generate`` with the same settings.
 Writes ``benchmarks/results/server_load.json`` and renders its table into
 docs/deploy.md (``--render-only`` re-renders from the JSON alone).
 
-    python benchmarks/server_load.py [--rounds 3] [--clients 64]
-    python benchmarks/server_load.py --render-only
+    python -m benchmarks.server_load [--rounds 3] [--clients 64]
+    python -m benchmarks.server_load --render-only
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import http.client
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,11 +34,11 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # this checkout's vllm_kvq and tests.conftest (the eval data's reader)
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: do not pin OpenMP to core 0
+from evalkit.data import CODE, REPO, needles
+from evalkit.markdown import splice, table
+from evalkit.server import free_port, wait_healthy
 
-from tests.conftest import EVAL, needles  # noqa: E402
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # a shared machine: do not pin OpenMP to core 0
 
 MODEL = REPO / "examples" / "models" / "house-qwen3"
 KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar")}
@@ -70,7 +69,7 @@ def bad_requests(short_prompt: str) -> dict[str, dict | bytes]:
 
 def code_prompts(tokenizer, count: int, seed: int) -> list[str]:
     """Slices of held-out code of 200-3,000 tokens, decoded back to text."""
-    text = gzip.open(EVAL / "code-dev.txt.gz", "rt").read(4_000_000)
+    text = gzip.open(CODE, "rt").read(4_000_000)
     ids = tokenizer(text)["input_ids"]
     rng = random.Random(seed)
     out = []
@@ -83,12 +82,6 @@ def code_prompts(tokenizer, count: int, seed: int) -> list[str]:
 
 # --- the server ---------------------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def server_command(port: int) -> list[str]:
     flags = ["--max-model-len", str(ENGINE["max_model_len"]),
              "--kv-cache-memory-bytes", str(ENGINE["kv_cache_memory_bytes"]),
@@ -98,20 +91,6 @@ def server_command(port: int) -> list[str]:
     return [sys.executable, "-m", "vllm_kvq.cli", "serve", str(MODEL), "--host", "127.0.0.1", "--port", str(port),
             "--served-model-name", "house-qwen3", "--attention-backend", "OSCAR",
             "--additional-config", json.dumps({"kvq": KVQ}), *flags]
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float = 900) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s")
 
 
 def tree_rss(pid: int) -> dict[str, int]:
@@ -200,8 +179,8 @@ def run_round(port: int, prompts: list[str], clients: int, seed: int) -> dict:
         jobs.append(("normal", {"model": "house-qwen3", "prompt": rng.choice(prompts), "max_tokens": NORMAL_TOKENS,
                                 "temperature": 0.8, "stream": i % 2 == 1}, None))
     for _ in range(n_hang):
-        jobs.append(("hang-up", {"model": "house-qwen3", "prompt": rng.choice(prompts), "max_tokens": HANG_UP_MAX_TOKENS,
-                                 "temperature": 0.8, "stream": True}, HANG_UP_AFTER))
+        jobs.append(("hang-up", {"model": "house-qwen3", "prompt": rng.choice(prompts),
+                                 "max_tokens": HANG_UP_MAX_TOKENS, "temperature": 0.8, "stream": True}, HANG_UP_AFTER))
     for i in range(n_bad):
         name, body = bad[i % len(bad)]
         jobs.append((name, body, None))
@@ -262,7 +241,7 @@ def load(args, prompts: list[str], probe: dict, log_path: Path) -> dict:
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         try:
-            wait_healthy(proc, port)
+            wait_healthy(proc, port, timeout=900, log=log_path)
             start_s = time.time() - t0
             print(f"server up in {start_s:.0f} s", flush=True)
             before = post(port, probe)
@@ -350,15 +329,13 @@ def markdown(result: dict) -> list[str]:
         f"{load['hang_up_after_events']} events, and bad requests ({', '.join(load['bad_kinds'])}). "
         f"Server start: {result['server_start_s']:.0f} s.",
         "",
-        "| round | completed / hung up / bad | server errors | bad answered 4xx + message | latency p50 | p95 "
-        "| round wall time | server RSS after |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|",
+        *table(["round", "completed / hung up / bad", "server errors", "bad answered 4xx + message", "latency p50",
+                "p95", "round wall time", "server RSS after"],
+               [[i, f"{r['completed']} / {r['hung_up']} / {r['bad']}", r["server_errors"],
+                 f"{r['bad'] - r['errors']['bad_not_4xx_with_message']}/{r['bad']}", f"{r['latency_p50_s']:.1f} s",
+                 f"{r['latency_p95_s']:.1f} s", f"{r['wall_s']:.0f} s", f"{r['rss_bytes'] / mib:,.0f} MiB"]
+                for i, r in enumerate(result["rounds"], 1)], align="rlrrrrrr"),
     ]
-    for i, r in enumerate(result["rounds"], 1):
-        answered = r["bad"] - r["errors"]["bad_not_4xx_with_message"]
-        lines.append(f"| {i} | {r['completed']} / {r['hung_up']} / {r['bad']} | {r['server_errors']} | "
-                     f"{answered}/{r['bad']} | {r['latency_p50_s']:.1f} s | {r['latency_p95_s']:.1f} s | "
-                     f"{r['wall_s']:.0f} s | {r['rss_bytes'] / mib:,.0f} MiB |")
     growth, probe, met = result["rss_growth_last_two_rounds"], result["probe"], result["targets_met"]
     aborted = all(r["hung_up_streams_aborted"] for r in result["rounds"])
     n = len(result["rounds"])
@@ -382,8 +359,8 @@ def markdown(result: dict) -> list[str]:
         f"load {'equals' if probe['equal_after'] else 'DIFFERS FROM'} offline `LLM.generate` with the same settings "
         f"(before the load: {'equal' if probe['equal_before'] else 'DIFFERENT'}).",
         "* Answers to the bad requests: " + "; ".join(
-            f"{k}: {answers[k]['status']} \"{' '.join(answers[k]['message'].split())[:100]}\"" for k in load["bad_kinds"] if k in answers)
-        + ".",
+            f"{k}: {answers[k]['status']} \"{' '.join(answers[k]['message'].split())[:100]}\""
+            for k in load["bad_kinds"] if k in answers) + ".",
     ]
     return lines
 
@@ -394,8 +371,7 @@ def render(result_json: Path, doc: Path = DEPLOY_MD) -> None:
     text = doc.read_text()
     if start not in text:
         raise SystemExit(f"{doc} has no '{start}' ... '{end}' block to render into")
-    block = "\n".join([start, *markdown(json.loads(result_json.read_text())), end])
-    doc.write_text(text[: text.index(start)] + block + text[text.index(end) + len(end):])
+    doc.write_text(splice(text, start, "\n".join([start, *markdown(json.loads(result_json.read_text())), end]), end))
 
 
 def main() -> None:

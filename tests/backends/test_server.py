@@ -12,7 +12,6 @@ OSCAR itself for prompts long enough to read INT2 rows. Also the KV budget
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from evalkit.server import free_port, wait_healthy
 from tests.conftest import REPO, make_llm, model_path, needles, shutdown
 
 MAX_LEN = 2048
 KVQ = {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-oscar")}
 SHORT_TOKENS = 16  # generated per short prompt; prompt + these stay inside sink + window (320)
 LONG_TOKENS = 24
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _short_prompts() -> list[str]:
@@ -122,7 +116,7 @@ def references():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "vllm_kvq.cli", "serve", model_path(),
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -135,19 +129,7 @@ def server(tmp_path_factory):
     log_path = (REPO if os.environ.get("KVQ_KEEP_LOGS") else tmp_path_factory.mktemp("server")) / "server-test.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    break
-        except OSError:
-            time.sleep(2)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not come up in 300 s")
+    wait_healthy(proc, port, timeout=300, log=log_path)
     yield proc, port, log_path
     proc.terminate()
     try:
