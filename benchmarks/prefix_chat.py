@@ -36,12 +36,12 @@ merges its figures into ``benchmarks/results/prefix_chat.json`` (or
 JSON (``--doc``) and prints it; ``merge FILE...`` first adds the engines of
 other runs' JSON files (the H200 steps' copies) to it.
 
-    python benchmarks/prefix_chat.py --jobs chat --budget-s 70    # H200: 32 x 6 over 16K tokens
-    python benchmarks/prefix_chat.py --jobs spec                  # H200: ngram against none
-    python benchmarks/prefix_chat.py --jobs eagle                 # H200: EAGLE-3 (after spec: its baselines)
-    python benchmarks/prefix_chat.py --small                      # CPU: house-qwen3, 8 x 4 over 1K tokens
-    python benchmarks/prefix_chat.py render --doc docs/prefix_caching.md
-    python benchmarks/prefix_chat.py merge h200/prefix_chat.json --doc docs/prefix_caching.md
+    python -m benchmarks.prefix_chat --jobs chat --budget-s 70    # H200: 32 x 6 over 16K tokens
+    python -m benchmarks.prefix_chat --jobs spec                  # H200: ngram against none
+    python -m benchmarks.prefix_chat --jobs eagle                 # H200: EAGLE-3 (after spec: its baselines)
+    python -m benchmarks.prefix_chat --small                      # CPU: house-qwen3, 8 x 4 over 1K tokens
+    python -m benchmarks.prefix_chat render --doc docs/prefix_caching.md
+    python -m benchmarks.prefix_chat merge h200/prefix_chat.json --doc docs/prefix_caching.md
 """
 
 from __future__ import annotations
@@ -53,14 +53,12 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from oscar_vllm_e2e import QWEN3_4B  # noqa: E402
-from serving_job import GRAPHS, run_child  # noqa: E402
+from benchmarks.oscar_vllm_e2e import QWEN3_4B
+from benchmarks.serving_job import GRAPHS, run_child
+from evalkit.data import REPO, model_path, needles, tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
-HOUSE = REPO / "examples" / "models" / "house-qwen3"
+HOUSE = Path(model_path("house-qwen3"))
 HOUSE_ARTIFACT = REPO / "examples" / "artifacts" / "house-qwen3-oscar"
-EVAL = REPO.parent / "shared" / "eval"
 RESULTS = Path(__file__).parent / "results" / "prefix_chat.json"
 DOC = REPO / "docs" / "prefix_caching.md"
 CHAT_ENGINES = ("oscar_apc", "oscar_no_apc", "bf16_apc")
@@ -77,12 +75,8 @@ EAGLE3 = {"method": "eagle3", "num_speculative_tokens": DRAFTS}
 
 def _code_token_ids(count: int, min_tokens: int) -> list[list[int]]:
     """Token ids of held-out code files (real text for the house model)."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(HOUSE))
-    rows = [json.loads(line) for line in (EVAL / "needles-dev.jsonl").open()]
-    rows = [r for r in rows if r["prompt_tokens"] >= min_tokens][:count]
-    return [tok(r["prompt"])["input_ids"] for r in rows]
+    tok = tokenizer("house-qwen3")
+    return [tok(r["prompt"])["input_ids"] for r in needles(max_tokens=10**9, min_tokens=min_tokens, limit=count)]
 
 
 def _random_model(args: argparse.Namespace) -> Path:
@@ -319,7 +313,8 @@ def main() -> None:
         job["numba_num_threads"] = env.get("NUMBA_NUM_THREADS")
         passed = [a for a in sys.argv[1:] if a != "all"]
         for name in engines:
-            job[name] = run_child([sys.executable, __file__, "run", "--engine", name, *passed], env, args.timeout_s)
+            cmd = [sys.executable, "-m", "benchmarks.prefix_chat", "run", "--engine", name, *passed]
+            job[name] = run_child(cmd, env, args.timeout_s)
             print(name, job[name], flush=True)
             results[label] = job
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -350,7 +345,7 @@ def _cell(r: dict) -> str | None:
 def render(results: dict) -> str:
     """docs/prefix_caching.md: one section per label of the JSON."""
     rows = ["# Prefix caching and speculative decoding: measured", "",
-            "Written by `python benchmarks/prefix_chat.py render --doc docs/prefix_caching.md` from "
+            "Written by `python -m benchmarks.prefix_chat render --doc docs/prefix_caching.md` from "
             "`benchmarks/results/prefix_chat.json`; the runs are `benchmarks/prefix_chat.py`'s (its docstring "
             "describes both jobs; `scripts/h200.sh prefix spec eagle` runs them on the H200). The designs are in "
             "[design.md](design.md#prefix-caching) and [design.md](design.md#speculative-decoding).", ""]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the evaluation data's reader and the accuracy benchmark's variant table
+sys.path.insert(0, str(REPO))  # run by path: evalkit (the development data) and the accuracy benchmark's rows
 NEEDLE_IDS = (95, 72)  # recall prompts with the needle 8% and 30% into a 3,650-token file
 
 
@@ -37,8 +37,7 @@ def run(model: str, kvq: dict | None, prompts: list[str], budget: int, max_len: 
 
 def accuracy_line(model: str, kvq: dict) -> str:
     """The accuracy benchmark's row measured with these settings, if any."""
-    sys.path.insert(0, str(REPO / "benchmarks"))
-    from accuracy import variants
+    from benchmarks.accuracy import variants
 
     path = REPO / "benchmarks" / "results" / f"accuracy-{Path(model).name}.json"
     names = [name for name, settings in variants(model).items() if settings == kvq]
@@ -61,7 +60,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096,
                     help="tokens per request that capacity is counted at (the recall prompts need 3,700)")
     args = ap.parse_args()
-    from tests.conftest import needles
+    from evalkit.data import needles
 
     rows = {r["id"]: r for r in needles()}
     recalls = [rows[i] for i in NEEDLE_IDS]
