@@ -131,10 +131,11 @@ def test_preemption_gives_the_same_tokens(engines, greedy):
     prompts = _needle_prompts(4)
     ref = engines(**INT2_BIG_CHUNKS).generate(prompts, greedy(64), use_tqdm=False)
     # Requests of 994, 515, 972 and 485 tokens hold 8, 5, 8 and 4 INT2 blocks
-    # of 128 tokens plus 3 state blocks each: 30 blocks admit the first three
-    # and leave none free, so the first to reach a new block (the 994-token
-    # one, 31 tokens in) preempts another, which later resumes.
-    tight = make_llm(**INT2_BIG_CHUNKS, num_gpu_blocks_override=30, max_model_len=2048, disable_log_stats=False)
+    # of 128 tokens plus 3 state blocks each: 31 blocks (one is vLLM's null
+    # block) admit the first three and leave none free, so the first to reach
+    # a new block (the 994-token one, 31 tokens in) preempts another, which
+    # later resumes.
+    tight = make_llm(**INT2_BIG_CHUNKS, num_gpu_blocks_override=31, max_model_len=2048, disable_log_stats=False)
     try:
         got = tight.generate(prompts, greedy(64), use_tqdm=False)
         preempted = sum(m.value for m in tight.get_metrics() if m.name == "vllm:num_preemptions")
