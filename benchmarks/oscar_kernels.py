@@ -440,11 +440,20 @@ def gbps(x: dict, bw: float) -> str:
     return f"{x['gbps']:.0f} ({100 * x['gbps'] / bw:.0f}%)"
 
 
+def run_stamp(bw: float) -> dict:
+    """What a section kept from its own run says about that run."""
+    return {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name(0), "read_bandwidth_gbps": bw}
+
+
+def own_run(section: dict) -> str:
+    return f"{section['date']} on {section['device']}, read bandwidth {section['read_bandwidth_gbps']:.0f} GB/s"
+
+
 def render(res: dict) -> str:
     bw = res["read_bandwidth_gbps"]
     shape = lambda r: f"{r['hq']}/{r['hkv']}/{r['d']}"  # noqa: E731
     lines = [
-        "# OSCAR kernels on the H200",
+        "# OSCAR kernels on the GPU",
         "",
         f"Measured by `python -m benchmarks.oscar_kernels` on {res['device']} ({res['date']}).",
         f"Device read bandwidth measured in the same run (a 4 GiB reduction): **{bw:.0f} GB/s**.",
@@ -480,7 +489,7 @@ def render(res: dict) -> str:
         lines += ["", f"Decode at a hybrid model's block sizes (32/8/128, batch 32, 32K tokens; vLLM sizes a hybrid's"
                   " attention blocks to its state pages): the default launch, whose last step a page is partial"
                   " and masked where its step does not divide the block, against 16-token steps. Its own run"
-                  f" ({hb['date']}, read bandwidth {hb['read_bandwidth_gbps']:.0f} GB/s).", ""]
+                  f" ({own_run(hb)}).", ""]
         lines += table(["block", "launch", "ms", "GB/s (% of read bw)"],
                        [[r["block_size"], r["launch"], f"{r['ms']:.3f}", gbps(r, hb["read_bandwidth_gbps"])]
                         for r in hb["rows"] if r.get("op", "decode") == "decode"])
@@ -492,8 +501,7 @@ def render(res: dict) -> str:
             lines += table(["block", "launch", "ms"], [[r["block_size"], r["launch"], f"{r['ms']:.3f}"] for r in ext])
     if "splits" in res:
         sp = res["splits"]
-        lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {sp['date']}, read bandwidth"
-                  f" {sp['read_bandwidth_gbps']:.0f} GB/s). An SM holds 11 one-warp programs at the default launch"
+        lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {own_run(sp)}). An SM holds 11 one-warp programs at the default launch"
                   " (168 registers, 19 KB of shared memory each); the default count (`num_splits`, marked) puts at"
                   " most 32 INT2 programs on an SM, about three waves.", ""]
         lines += table(["batch", "context", "splits", "ms", "GB/s (% of read bw)"],
@@ -534,20 +542,21 @@ def render(res: dict) -> str:
             "",
             "One request's chunk of new tokens after a history of `context` tokens: OSCAR's extend kernel (INT2"
             " history, BF16 sink/window and chunk; best launch of a sweep in the same run) against torch SDPA"
-            " (flash) over the same keys in BF16, not causal inside the chunk (a few percent more work for it).",
+            " (flash) over the same keys in BF16, not causal inside the chunk (a few percent more work for it)."
+            f" Its own run ({own_run(res['extend'])}).",
             "",
         ]
         lines += table(["Hq/Hkv/D", "context", "chunk", "OSCAR ms (launch)", "BF16 SDPA ms", "speed-up"],
                        [[shape(r), f"{r['context']:,}", f"{r['chunk']:,}", f"{r['oscar_ms']:.3f} ({r['launch']})",
-                         f"{r['bf16_sdpa_ms']:.3f}", f"{r['speedup']:.2f}x"] for r in res["extend"]])
+                         f"{r['bf16_sdpa_ms']:.3f}", f"{r['speedup']:.2f}x"] for r in res["extend"]["rows"]])
     if "projection" in res:
         p = res["projection"]
         lines += [
             "",
-            "## Model-level projection: Qwen3-4B, 100K context, one H200",
+            "## Model-level projection: Qwen3-4B, 100K context, one H200's memory",
             "",
-            "Batch = requests whose KV fits in 0.9 x 141 GB minus weights and 4 GB workspace. Step time = 36 x"
-            " (attention + store + the layer's linear layers, each timed above at that batch) + lm_head."
+            "Batch = requests whose KV fits in one H200's 0.9 x 141 GB minus weights and 4 GB workspace. Step time = 36 x"
+            f" (attention + store + the layer's linear layers, each timed above on {res['device']} at that batch) + lm_head."
             " Norms, RoPE, sampling and scheduling are left out.",
             "",
         ]
@@ -576,15 +585,18 @@ def divergences(x: dict) -> str:
     return ", ".join(f"{i}:{f} ({m:.2f})" for (i, f), m in zip(steps, x["ref_margin_at_divergence"])) or "-"
 
 
+CHECK_RUNS = ("oscar_hadamard", "oscar_reference_ops", "oscar_calibrated", "oscar_tiered", "oscar_tiered_reference_ops")
+
+
 def cuda_check_section(c: dict) -> list[str]:
     lines = [
         "",
-        "## Inside vLLM on the H200 (`scripts/cuda_check.py`)",
+        f"## Inside vLLM on {c.get('device', 'the H200')} (`scripts/cuda_check.py`, {c.get('date', 'an earlier run')})",
         "",
-        "house-qwen3 (bf16), prompts of code, 32 greedy tokens, OSCAR (sink 64, window 256) against TRITON_ATTN:"
-        " Hadamard through the Triton kernels, Hadamard through the reference ops on CUDA tensors, the"
-        " calibrated artifact and the tiered artifact (through the kernels and the reference ops). Divergences"
-        " are listed as prompt:step with BF16's own top-1 minus top-2 logprob at that step; |dlogprob| is taken"
+        "house-qwen3 (bf16), prompts of code, 32 greedy tokens, OSCAR (sink 64, window 256) against TRITON_ATTN,"
+        f" the runs: {', '.join(n for n in CHECK_RUNS if n in c)} (`hadamard`: Hadamard rotation; `calibrated`: the"
+        " INT2 artifact; `tiered`: the default 80-byte artifact; `reference_ops`: the PyTorch ops on CUDA tensors,"
+        " otherwise the Triton kernels). Divergences are listed as prompt:step with BF16's own top-1 minus top-2 logprob at that step; |dlogprob| is taken"
         " at BF16's token wherever both runs saw the same context.",
         "",
     ]
@@ -720,22 +732,23 @@ def main() -> None:
                     print(json.dumps(r), flush=True)
                     partial.write_text(json.dumps(res, indent=2))
     if "hybrid_blocks" in args.sections:
-        res["hybrid_blocks"] = {"date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
+        res["hybrid_blocks"] = {**run_stamp(bw),
                                 "rows": bench_hybrid_blocks(sms, gen)}
         partial.write_text(json.dumps(res, indent=2))
     if "splits" in args.sections:
-        res["splits"] = {"date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
+        res["splits"] = {**run_stamp(bw),
                          "rows": bench_splits(sms, gen)}
         partial.write_text(json.dumps(res, indent=2))
     if "store" in args.sections:
-        res["store"] = {**bench_store(16384, 8, 128, gen), "date": time.strftime("%Y-%m-%d"), "read_bandwidth_gbps": bw,
+        res["store"] = {**bench_store(16384, 8, 128, gen), **run_stamp(bw),
                         "tiers": {name: bench_store(16384, 8, 128, gen, plan) for name, plan in PLANS.items() if plan},
                         "decode": [bench_store_decode(b, 8, 128, gen, launch) for b in (8, 32, 256)
                                    for launch in (None, default_store_launch(128))]}
         print(json.dumps(res["store"]), flush=True)
         partial.write_text(json.dumps(res, indent=2))
     if "extend" in args.sections:
-        res["extend"] = [bench_extend(hq, hkv, 128, ctx, 4096, gen) for hq, hkv, _ in SHAPES for ctx in (8192, 32768)]
+        res["extend"] = {**run_stamp(bw), "rows": [bench_extend(hq, hkv, 128, ctx, 4096, gen) for hq, hkv, _ in SHAPES
+                                                    for ctx in (8192, 32768)]}
         print(json.dumps(res["extend"]), flush=True)
         partial.write_text(json.dumps(res, indent=2))
     if "projection" in args.sections:

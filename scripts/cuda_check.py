@@ -26,6 +26,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from evalkit.compare import compare, from_json, record
@@ -122,16 +123,40 @@ def check_ops() -> dict:
     return out
 
 
+def summarize(ops: dict, results: dict, device: str, date: str) -> dict:
+    """The check's verdict from the engines' runs (``results`` by run name)."""
+    base = results["bf16"]
+    summary = {"device": device, "date": date, "ops": ops,
+               "bf16": {"kv_cache_size_tokens": base["kv_cache_size_tokens"]}}
+    for name in [n for n in results if n != "bf16"]:
+        r = results[name]
+        summary[name] = {"kv_cache_size_tokens": r["kv_cache_size_tokens"],
+                         "capacity_vs_bf16": r["kv_cache_size_tokens"] / base["kv_cache_size_tokens"],
+                         "exact_200_tokens": compare(r["short"], base["short"]),
+                         "int2_1500_tokens": compare(r["long"], base["long"])}
+    exact_runs = [summary[n]["exact_200_tokens"] for n in EXACT_RUNS if n in results]
+    summary["exact_ok"] = (bool(exact_runs) and ops["pages_identical_cpu_vs_cuda"]
+                           and all(x["tokens_compared"] >= 128 and x["equal_up_to_tie"] == x["prompts"]
+                                   for x in exact_runs))
+    if {"oscar_tiered", "oscar_tiered_reference_ops"} <= set(results):
+        tiered = summary["tiered_triton_vs_reference_long"] = compare(
+            results["oscar_tiered"]["long"], results["oscar_tiered_reference_ops"]["long"])
+        summary["exact_ok"] = summary["exact_ok"] and tiered["equal_up_to_tie"] == tiered["prompts"]
+    return summary
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "engine":
         run_engine(*sys.argv[2:6])
         return
+    import torch
+
     OUT.mkdir(parents=True, exist_ok=True)
-    summary = {"ops": check_ops()}
-    print("ops:", summary["ops"], flush=True)
+    ops = check_ops()
+    print("ops:", ops, flush=True)
     make_model()
     artifacts = REPO / "examples" / "artifacts"
-    tiered = str(artifacts / "house-qwen3-auto80")  # the default: plans calibration chose at 80 B
+    tiered = str(artifacts / "house-qwen3-auto80")  # the default: the plan calibration chose at 80 B
     runs = {
         "bf16": ("TRITON_ATTN", "{}"),
         "oscar_hadamard": ("OSCAR", json.dumps({"rotation": "hadamard"})),
@@ -148,22 +173,7 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "scripts.cuda_check", "engine", backend, kvq, str(path)], check=True)
         results[name] = read_run(path)
         (OUT / path.name).write_text(path.read_text())
-    base = results["bf16"]
-    summary["bf16"] = {"kv_cache_size_tokens": base["kv_cache_size_tokens"]}
-    for name in [n for n in results if n != "bf16"]:
-        r = results[name]
-        summary[name] = {"kv_cache_size_tokens": r["kv_cache_size_tokens"],
-                         "capacity_vs_bf16": r["kv_cache_size_tokens"] / base["kv_cache_size_tokens"],
-                         "exact_200_tokens": compare(r["short"], base["short"]),
-                         "int2_1500_tokens": compare(r["long"], base["long"])}
-    exact_runs = [summary[n]["exact_200_tokens"] for n in EXACT_RUNS if n in results]
-    summary["exact_ok"] = (bool(exact_runs) and summary["ops"]["pages_identical_cpu_vs_cuda"]
-                           and all(x["tokens_compared"] >= 128 and x["equal_up_to_tie"] == x["prompts"]
-                                   for x in exact_runs))
-    if {"oscar_tiered", "oscar_tiered_reference_ops"} <= set(results):
-        tiered = summary["tiered_triton_vs_reference_long"] = compare(
-            results["oscar_tiered"]["long"], results["oscar_tiered_reference_ops"]["long"])
-        summary["exact_ok"] = summary["exact_ok"] and tiered["equal_up_to_tie"] == tiered["prompts"]
+    summary = summarize(ops, results, torch.cuda.get_device_name(0), time.strftime("%Y-%m-%d"))
     (OUT / "cuda_check.json").write_text(json.dumps(summary, indent=2))
     print(json.dumps(summary, indent=2))
     if not summary["exact_ok"]:
