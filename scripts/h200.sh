@@ -9,7 +9,8 @@
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
 #   bench-hybrid  only its decode and extend at hybrid models' block sizes and its decode against the split
 #          count, the rest kept from the saved results (~2 min; not by default);
-#   check  the CUDA check in real vLLM, scripts/cuda_check.py (~3 min);
+#   check  the CUDA check in real vLLM, six engines (BF16, OSCAR INT2 and the tiered artifact through the
+#          kernels and the reference ops), scripts/cuda_check.py (~7 min);
 #   graphs OSCAR decode under full CUDA graphs against eager, scripts/cuda_graph_check.py (~5 min);
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
 #   e2e-graphs  the same job with full CUDA graphs for decodes in both engines (~8 min; not by default);
@@ -80,7 +81,7 @@ if [[ $steps == *" bench-hybrid "* ]]; then
   echo "bench hybrid rc=$?"
 fi
 if [[ $steps == *" check "* ]]; then
-  timeout 330 python3 -m scripts.cuda_check > "$OUT/cuda_check.log" 2>&1; echo "cuda check rc=$?"
+  timeout 560 python3 -m scripts.cuda_check > "$OUT/cuda_check.log" 2>&1; echo "cuda check rc=$?"
   [ -f "$OUT/cuda_check.json" ] && cat "$OUT/cuda_check.json"
 fi
 if [[ $steps == *" graphs "* ]]; then
