@@ -585,16 +585,13 @@ def divergences(x: dict) -> str:
     return ", ".join(f"{i}:{f} ({m:.2f})" for (i, f), m in zip(steps, x["ref_margin_at_divergence"])) or "-"
 
 
-CHECK_RUNS = ("oscar_hadamard", "oscar_reference_ops", "oscar_calibrated", "oscar_tiered", "oscar_tiered_reference_ops")
-
-
 def cuda_check_section(c: dict) -> list[str]:
     lines = [
         "",
         f"## Inside vLLM on {c.get('device', 'the H200')} (`scripts/cuda_check.py`, {c.get('date', 'an earlier run')})",
         "",
         "house-qwen3 (bf16), prompts of code, 32 greedy tokens, OSCAR (sink 64, window 256) against TRITON_ATTN,"
-        f" the runs: {', '.join(n for n in CHECK_RUNS if n in c)} (`hadamard`: Hadamard rotation; `calibrated`: the"
+        f" the runs: {', '.join(n for n, r in c.items() if isinstance(r, dict) and 'exact_200_tokens' in r)} (`hadamard`: Hadamard rotation; `calibrated`: the"
         " INT2 artifact; `tiered`: the default 80-byte artifact; `reference_ops`: the PyTorch ops on CUDA tensors,"
         " otherwise the Triton kernels). Divergences are listed as prompt:step with BF16's own top-1 minus top-2 logprob at that step; |dlogprob| is taken"
         " at BF16's token wherever both runs saw the same context.",
