@@ -60,8 +60,8 @@ def _generate(prompts, greedy, **kw):
 
 
 @pytest.fixture(scope="module")
-def oscar_plain(prompts, greedy):
-    return _generate(prompts, greedy, oscar=KVQ)[0]
+def oscar_plain(prompts, greedy, engines):
+    return engines(oscar=KVQ, **ENGINE).generate(prompts, greedy(64, logprobs=2), use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -175,25 +175,23 @@ def _eagle3_head(where) -> str:
     return str(where)
 
 
-def test_eagle3_rejected_drafts_leave_the_tokens(tmp_path, greedy):
+def test_eagle3_rejected_drafts_leave_the_tokens(tmp_path, greedy, engines):
     """EAGLE-3 with OSCAR as the target's backend (the draft's own layer keeps
     vLLM's BF16 cache): with a random head every step verifies 1 + k tokens
     and rejects the k drafts, whose rows the ring's spare slots absorb; the
     greedy tokens equal those without speculation, every one (fp32)."""
     head = _eagle3_head(tmp_path)
     prompts = [r["prompt"] for r in needles(max_tokens=1000, limit=2)]
-    outs, counts = {}, {}
-    for name, spec in (("plain", None), ("eagle3", {"method": "eagle3", "model": head,
-                                                    "num_speculative_tokens": DRAFTS})):
-        llm = make_llm(oscar=KVQ, **dict(ENGINE, max_model_len=1536), **({"speculative_config": spec} if spec else {}))
-        try:
-            outs[name] = llm.generate(prompts, greedy(32), use_tqdm=False)
-            counts[name] = _spec_counts(llm) if spec else None
-        finally:
-            shutdown(llm)
-    drafted, _ = counts["eagle3"]
+    plain = engines(oscar=KVQ, **ENGINE).generate(prompts, greedy(32), use_tqdm=False)
+    spec = {"method": "eagle3", "model": head, "num_speculative_tokens": DRAFTS}
+    llm = make_llm(oscar=KVQ, **dict(ENGINE, max_model_len=1536), speculative_config=spec)
+    try:
+        eagle3 = llm.generate(prompts, greedy(32), use_tqdm=False)
+        drafted, _ = _spec_counts(llm)
+    finally:
+        shutdown(llm)
     assert drafted >= DRAFTS * 16  # most steps verified drafts
-    assert [o.outputs[0].token_ids for o in outs["eagle3"]] == [o.outputs[0].token_ids for o in outs["plain"]]
+    assert [o.outputs[0].token_ids for o in eagle3] == [o.outputs[0].token_ids for o in plain]
 
 
 def test_oscar_draft_layers_are_refused(tmp_path):
