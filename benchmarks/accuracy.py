@@ -210,9 +210,9 @@ def write_markdown(path: Path) -> None:
         "each KV head's eigen-directions, strongest first, into tiers: INT4 (unclipped), INT2 (clip "
         "0.96 / 0.92) or not stored (read back as the calibrated mean), one fp16 (scale, min) per "
         "stored tier ([design.md](design.md)): by hand for every layer (`--tiers ...`, artifacts "
-        "`-tiered` and `-tiered-2.25bit`), or chosen per layer by calibration under a byte budget from "
-        "the error each candidate makes on the held-out window (the default `vllm-kvq calibrate`, "
-        "artifacts `-auto80` and `-auto72` with `--bytes-per-token 72`).",
+        "`-tiered` and `-tiered-2.25bit`), or chosen by calibration under a byte budget, one plan for "
+        "every layer, from the error each candidate makes on the held-out window (the default `vllm-kvq "
+        "calibrate`, artifacts `-auto80` and `-auto72` with `--bytes-per-token 72`).",
         "",
         "`bits/element`: bits per quantized element, codes plus fp16 scales, keys and values "
         "averaged (BF16 sink and window rows not counted; [design.md](design.md) gives the totals "

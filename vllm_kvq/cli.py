@@ -107,9 +107,10 @@ def calibrate(argv: list[str]) -> None:
     ap.add_argument("--snapshots", type=int, default=None,
                     help="--stepquant: state snapshots kept per GDN layer to score widths on (64)")
     ap.add_argument("--bytes-per-token", type=int, default=None,
-                    help="bytes per token and KV head (K and V together) to choose each layer's tiers for, from the "
-                         "error each candidate makes on the held-out window (default 80; OSCAR INT2 takes 72)")
-    ap.add_argument("--tiers", help="the same tiers for every layer instead, strongest eigen-directions first: per "
+                    help="bytes per token and KV head (K and V together) to choose the tiers for, one plan for every "
+                         "layer, from the error each candidate makes on the held-out window (default 80; OSCAR INT2 "
+                         "takes 72)")
+    ap.add_argument("--tiers", help="a given plan for every layer instead, strongest eigen-directions first: per "
                     "kind WIDTHxBITS,... with widths multiples of 16 summing to head_dim, bits 4, then 2, then 0 "
                     "(not stored, read back as the calibrated mean), e.g. 'k=48x4,80x2;v=16x4,48x2,64x0'; or "
                     "'int2' for a plain OSCAR INT2 artifact (every direction at 2 bits)")

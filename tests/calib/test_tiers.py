@@ -1,5 +1,5 @@
 """Tiered calibration: rotations cut into eigen-direction tiers, 0-bit fills,
-and each layer's tiers chosen under a byte budget."""
+and one tier plan for every layer chosen under a byte budget."""
 
 import json
 
@@ -157,44 +157,78 @@ def _synthetic_layer(gen, sharpness: float, t: int = 256, d: int = 64):
 
 
 def test_search_gives_the_keys_that_hurt_more_int4():
-    """Two layers with the same keys and values at one byte budget: where
-    sharper queries make the keys' error dominate, the keys get more INT4
-    directions (and the values fewer bytes). Every layer takes exactly the
-    budget, and the predicted error is what the chosen plans cost on the
-    held-out window."""
+    """The same keys and values at one byte budget: where sharper queries
+    make the keys' error dominate, the keys get more INT4 directions (and the
+    values fewer bytes). The plan takes exactly the budget, and the predicted
+    error is what it costs on the held-out window."""
     from vllm_kvq.calib.tier_search import LayerProbe, search
 
-    gen = torch.Generator().manual_seed(0)
-    layers = {0: _synthetic_layer(gen, sharpness=0.05)}
-    torch.manual_seed(0)
-    layers[1] = _synthetic_layer(torch.Generator().manual_seed(0), sharpness=2.0)
-    probes = {i: LayerProbe(st, i, "exact", 4, 16) for i, st in layers.items()}
-    chosen, report = search(probes, 64, 44, 1.0, 1.0)
-    assert all(t.bytes_per_token == 44 for t in chosen.values())
-    assert chosen[1].k.int4 > chosen[0].k.int4 and chosen[1].k.row_bytes > chosen[0].k.row_bytes
-    for idx, t in chosen.items():
-        ek, ev = probes[idx].error("k", t.k, 1.0), probes[idx].error("v", t.v, 1.0)
-        assert report[str(idx)]["predicted_kl"] == pytest.approx(ek * ek + ev * ev, rel=1e-4)
+    def probe(sharpness):  # one layer, index 1 (its spreaders' seed)
+        return {1: LayerProbe(_synthetic_layer(torch.Generator().manual_seed(0), sharpness), 1, "exact", 4, 16)}
+
+    dull, sharp = probe(0.05), probe(2.0)
+    (dull_tiers, _), (sharp_tiers, report) = search(dull, 64, 56, 1.0, 1.0), search(sharp, 64, 56, 1.0, 1.0)
+    assert dull_tiers[1].bytes_per_token == sharp_tiers[1].bytes_per_token == 56
+    assert sharp_tiers[1].k.int4 > dull_tiers[1].k.int4 and sharp_tiers[1].k.row_bytes > dull_tiers[1].k.row_bytes
+    t = sharp_tiers[1]
+    ek, ev = sharp[1].error("k", t.k, 1.0), sharp[1].error("v", t.v, 1.0)
+    assert report["predicted_kl"] == report["layers"]["1"]["predicted_kl"] == pytest.approx(ek * ek + ev * ev,
+                                                                                               rel=1e-4)
     # a sensitivity weighs one kind's error: values that cost 1000x more take the bytes from the keys
-    weighted, _ = search(probes, 64, 44, 1.0, 1.0, {1: {"k": 1.0, "v": 1000.0}})
-    assert weighted[1].v.row_bytes > chosen[1].v.row_bytes and weighted[1].bytes_per_token == 44
-    assert weighted[0] == chosen[0]
+    weighted, _ = search(sharp, 64, 56, 1.0, 1.0, {1: {"k": 1.0, "v": 1000.0}})
+    assert weighted[1].v.row_bytes > t.v.row_bytes and weighted[1].bytes_per_token == 56
+
+
+def test_search_takes_one_plan_with_the_least_summed_cost():
+    """Every layer gets the same plan: of all pairs of K and V plans that take
+    exactly the budget (enumerated here, with their bytes counted here), the
+    one with the least ``a_K err_K^2 + a_V err_V^2`` summed over layers,
+    which here is no layer's own best. Keys store every direction."""
+    from vllm_kvq.calib.tier_search import LayerProbe, search
+
+    d, budget = 64, 56
+    layers = {i: _synthetic_layer(torch.Generator().manual_seed(i), sharpness, d=d)
+              for i, sharpness in enumerate((2.0, 0.05, 0.5))}
+    probes = {i: LayerProbe(st, i, "exact", 4, 16) for i, st in layers.items()}
+    weight = {0: {"k": 2.0, "v": 0.2}, 1: {"k": 0.1, "v": 10.0}, 2: {"k": 0.3, "v": 0.3}}
+    widths = range(0, d + 1, 16)
+    plans = [TierPlan(i4, i2, d - i4 - i2) for i4 in widths for i2 in widths if 0 < i4 + i2 <= d]
+    size = lambda p: p.int4 // 2 + p.int2 // 4 + 4 * ((p.int4 > 0) + (p.int2 > 0))  # noqa: E731  codes + fp16 pairs
+    pairs = [(pk, pv) for pk in plans for pv in plans if size(pk) + size(pv) == budget and not pk.zero]
+    err = {(i, kind, p): probe.error(kind, p, 1.0) for i, probe in probes.items() for kind in "kv" for p in plans}
+
+    def cost(pair, among):
+        return sum(weight[i][kind] * err[i, kind, p] ** 2 for i in among for kind, p in zip("kv", pair))
+
+    ranked = sorted(pairs, key=lambda pair: cost(pair, probes))
+    assert len(pairs) == 12 and cost(ranked[1], probes) > 1.01 * cost(ranked[0], probes)
+    own = {min(pairs, key=lambda pair: cost(pair, [i])) for i in probes}
+    assert ranked[0] not in own  # every layer alone would choose another plan
+
+    chosen, report = search(probes, d, budget, 1.0, 1.0, weight)
+    best = LayerTiers(*ranked[0])
+    assert chosen == {i: best for i in probes}
+    assert report["tiers"] == str(best)
+    assert report["predicted_kl"] == pytest.approx(cost(ranked[0], probes), rel=1e-4)
+    for i in probes:
+        assert report["layers"][str(i)]["predicted_kl"] == pytest.approx(cost(ranked[0], [i]), rel=1e-4)
 
 
 def test_calibrate_searches_the_tiers_by_default(tmp_path, capsys):
-    """`vllm-kvq calibrate` without --tiers: each layer's tiers at 80 B per
-    token (the default), a valid artifact, and inspect shows them with their
-    errors and sensitivities (the held-out window must reach past sink +
-    window, hence the short window here)."""
+    """`vllm-kvq calibrate` without --tiers: one plan for every layer at 80 B
+    per token (the default), a valid artifact, and inspect shows it with each
+    layer's errors and sensitivities (the held-out window must reach past
+    sink + window, hence the short window here)."""
     main(["calibrate", str(MODELS / "house-qwen3"), "--data", str(DATA), "--out", str(tmp_path / "a"),
           "--tokens", "256", "--seq-len", "128", "--sink", "16", "--window", "32"])
     shown = capsys.readouterr().out
     art = OscarArtifact.load(tmp_path / "a")
     assert art.bytes_per_token == 80 and sorted(art.tiers) == art.layers
     report = art.provenance["tier_search"]
-    assert report["bytes_per_token"] == 80
-    for layer in art.layers:
-        row = report["layers"][str(layer)]
-        assert row["tiers"] == str(art.tiers[layer]) and row["predicted_kl"] > 0
-        assert row["k_sensitivity"] > 0 and row["v_sensitivity"] > 0
+    assert report["bytes_per_token"] == 80 and {str(t) for t in art.tiers.values()} == {report["tiers"]}
+    assert f"{report['tiers']} for every layer, predicted KL {report['predicted_kl']:.1e}" in shown
+    rows = [report["layers"][str(layer)] for layer in art.layers]
+    assert report["predicted_kl"] == pytest.approx(sum(row["predicted_kl"] for row in rows), rel=1e-5)
+    for row in rows:
+        assert row["predicted_kl"] > 0 and row["k_sensitivity"] > 0 and row["v_sensitivity"] > 0
         assert f"KL {row['predicted_kl']:.1e}" in shown

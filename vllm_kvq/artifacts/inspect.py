@@ -33,9 +33,12 @@ def summary(art: OscarArtifact) -> str:
         "per element)",
     ]
     if "tier_search" in art.provenance:
-        lines.append(f"tiers chosen per layer at {art.provenance['tier_search']['bytes_per_token']} B per token by "
-                     "the held-out window: relative attention-output errors of K and V, and the predicted KL of "
-                     "the model's next-token distribution from them")
+        found = art.provenance["tier_search"]
+        one = (f": {found['tiers']} for every layer, predicted KL {found['predicted_kl']:.1e} summed over layers"
+               if "tiers" in found else "")  # artifacts searched per layer name no single plan
+        lines.append(f"tiers chosen at {found['bytes_per_token']} B per token by the held-out window{one}; per "
+                     "layer below: relative attention-output errors of K and V, and the predicted KL of the model's "
+                     "next-token distribution from them")
     prov = {k: v for k, v in art.provenance.items() if k not in ("clip_fit", "tier_search")}
     lines += [f"provenance: {prov}"] if prov else []
     lines.append("layer  k_clip  v_clip  tiers                              held-out error                  "

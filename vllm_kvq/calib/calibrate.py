@@ -36,8 +36,8 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
               k_clip: float = 0.96, v_clip: float = 0.92, sink: int = 64, window: int = 256, device: str = "cpu",
               dtype: str = "float32", tokenizer: str | None = None, tiers: LayerTiers | str | None = None,
               bytes_per_token: int = BYTES_PER_TOKEN) -> Path:
-    """Fit an artifact. ``tiers``: None searches each layer's tiers at
-    ``bytes_per_token`` (:mod:`vllm_kvq.calib.tier_search`), a
+    """Fit an artifact. ``tiers``: None searches the one plan every layer
+    takes at ``bytes_per_token`` (:mod:`vllm_kvq.calib.tier_search`), a
     :class:`LayerTiers` serves every layer that plan, :data:`INT2` writes a
     plain OSCAR INT2 artifact (the only one that takes granularity ``layer``
     and fitted clip ratios). Bad options raise ArtifactError before the model
@@ -101,7 +101,7 @@ def calibrate(model: str, data: str, out: str, *, tokens: int = 30000, seq_len: 
         probes = {i: LayerProbe(st, i, value_target, sink, window) for i, st in sorted(collector.layers.items())}
         weight = sensitivities(net, collector, held_out[0], probes, fp["head_dim"], k_clip, v_clip, device)
         per_layer, report = search(probes, fp["head_dim"], bytes_per_token, k_clip, v_clip, weight)
-        provenance["tier_search"] = {"bytes_per_token": bytes_per_token, "layers": report}
+        provenance["tier_search"] = {"bytes_per_token": bytes_per_token, **report}
     else:
         per_layer = None if tiers == INT2 else {layer: tiers for layer in collector.layers}
     art = build_artifact(collector.layers, fp, granularity, value_target, clip, k_clip, v_clip, sink, window,

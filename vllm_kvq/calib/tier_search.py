@@ -1,6 +1,6 @@
-"""Each layer's tiers under a byte budget, chosen from the error each
-candidate makes on the held-out window: the KV-cache version of STEPQuant's
-bit allocation.
+"""One tier plan for every layer under a byte budget, chosen from the error
+each candidate makes on the held-out window: the KV-cache version of
+STEPQuant's bit allocation.
 
 For every layer and kind (K, V) each candidate plan (INT4, INT2 and 0-bit
 widths in steps of 16) is scored by the attention-output error it causes
@@ -11,11 +11,13 @@ rule (BF16 sink and window). Errors of keys and values, and of different
 layers, do not cost the model alike, so each (layer, kind) gets a **sensitivity**:
 how far the model's next-token distribution moves (KL) on the held-out
 window when that kind of that layer alone is stored INT2, per unit of its
-squared error (one forward each). A layer then takes the K and V plans whose
-bytes per token add up to the budget with the least predicted KL
-``a_K err_K^2 + a_V err_V^2``.
-Every layer gets the same bytes (vLLM gives every layer one page size), but
-not the same split.
+squared error (one forward each). Every layer then takes the same K and V
+plans: the pair whose bytes per token add up to the budget with the least
+predicted KL summed over layers, ``sum_l a_K,l err_K,l^2 + a_V,l err_V,l^2``.
+One plan, not one per layer, because a single layer's predicted KL on one
+window is overconfident: a per-layer choice leaves a layer's directions
+unstored where the window does not penalise it and other text does, while
+the sum over layers averages that out.
 """
 
 from __future__ import annotations
@@ -32,16 +34,22 @@ QUERIES = 256
 """Held-out queries scored per candidate: the window's last (longest contexts)."""
 
 
-def candidate_plans(head_dim: int) -> list[TierPlan]:
-    """Every plan of INT4, INT2 and 0-bit widths in steps of WIDTH_STEP that stores something."""
-    return [TierPlan(int4, int2, head_dim - int4 - int2) for int4 in range(0, head_dim + 1, WIDTH_STEP)
-            for int2 in range(0, head_dim - int4 + 1, WIDTH_STEP) if int4 + int2]
+def candidate_plans(head_dim: int, kind: str) -> list[TierPlan]:
+    """Every plan of INT4, INT2 and 0-bit widths in steps of WIDTH_STEP that
+    stores something; keys store every direction. An unstored key direction
+    reads the calibrated mean, the same shift of every logit of a head, which
+    the INT2-noise sensitivity prices far too low (a plan leaving 16 key
+    directions unstored measured +3.7% perplexity against +1.0% for one
+    storing them, where the prediction put them level)."""
+    plans = [TierPlan(int4, int2, head_dim - int4 - int2) for int4 in range(0, head_dim + 1, WIDTH_STEP)
+             for int2 in range(0, head_dim - int4 + 1, WIDTH_STEP) if int4 + int2]
+    return [p for p in plans if p.zero == 0] if kind == "k" else plans
 
 
 def sizes(head_dim: int) -> list[int]:
     """Bytes per token and KV head that some pair of K and V plans takes."""
-    plans = candidate_plans(head_dim)
-    return sorted({pk.row_bytes + pv.row_bytes for pk in plans for pv in plans})
+    return sorted({pk.row_bytes + pv.row_bytes for pk in candidate_plans(head_dim, "k")
+                   for pv in candidate_plans(head_dim, "v")})
 
 
 class LayerProbe:
@@ -142,19 +150,14 @@ def sensitivities(net, collector: StatsCollector, held: list[int], probes: dict[
     return {layer: {kind: max(raw[layer, kind], floor) for kind in "kv"} for layer in probes}
 
 
-def choose(errors: dict[str, dict[TierPlan, float]], budget: int,
-           weight: dict[str, float] | None = None) -> tuple[LayerTiers, float]:
-    """The K and V plans with ``budget`` bytes per token together and the least
-    ``a_K err_K^2 + a_V err_V^2`` (``weight``: the a's, 1 without); returns
-    them and that sum (the predicted KL, with sensitivities)."""
-    w = weight or {"k": 1.0, "v": 1.0}
+def choose(costs: dict[str, dict[TierPlan, float]], budget: int) -> tuple[LayerTiers, float]:
+    """The K and V plans with ``budget`` bytes per token together and the
+    least ``costs["k"][K] + costs["v"][V]``; returns them and that sum."""
     best = None
-    for pk, ek in errors["k"].items():
-        for pv, ev in errors["v"].items():
-            if pk.row_bytes + pv.row_bytes == budget:
-                cost = w["k"] * ek * ek + w["v"] * ev * ev
-                if best is None or cost < best[0]:
-                    best = (cost, LayerTiers(pk, pv))
+    for pk, ck in costs["k"].items():
+        for pv, cv in costs["v"].items():
+            if pk.row_bytes + pv.row_bytes == budget and (best is None or ck + cv < best[0]):
+                best = (ck + cv, LayerTiers(pk, pv))
     if best is None:
         raise ValueError(f"no pair of the candidate plans takes exactly {budget} bytes per token and KV head")
     return best[1], best[0]
@@ -162,19 +165,24 @@ def choose(errors: dict[str, dict[TierPlan, float]], budget: int,
 
 def search(probes: dict[int, LayerProbe], head_dim: int, budget: int, k_clip: float, v_clip: float,
            sensitivity: dict | None = None) -> tuple[dict[int, LayerTiers], dict]:
-    """Each layer's tiers at ``budget`` bytes per token and KV head, and a
-    report: per layer the chosen plans' errors, sensitivities and predicted
-    KL (``sensitivity`` from :func:`sensitivities`; 1 for both kinds
-    without)."""
-    plans = candidate_plans(head_dim)
-    chosen, report = {}, {}
-    for idx, probe in sorted(probes.items()):
-        errors = {kind: {p: probe.error(kind, p, clip) for p in plans}
-                  for kind, clip in (("k", k_clip), ("v", v_clip))}
-        weight = (sensitivity or {}).get(idx, {"k": 1.0, "v": 1.0})
-        chosen[idx], predicted = choose(errors, budget, weight)
-        t = chosen[idx]
-        report[str(idx)] = {"tiers": str(t), "k_error": round(errors["k"][t.k], 6),
-                            "v_error": round(errors["v"][t.v], 6), "k_sensitivity": round(weight["k"], 6),
-                            "v_sensitivity": round(weight["v"], 6), "predicted_kl": round(predicted, 8)}
-    return chosen, report
+    """The one plan every layer takes at ``budget`` bytes per token and KV
+    head (the least predicted KL summed over layers), and a report: the
+    plan, its summed predicted KL, and per layer its errors, sensitivities
+    and predicted KL (``sensitivity`` from :func:`sensitivities`; 1 for
+    both kinds without)."""
+    plans = {kind: candidate_plans(head_dim, kind) for kind in "kv"}
+    clips = {"k": k_clip, "v": v_clip}
+    weight = {idx: (sensitivity or {}).get(idx, {"k": 1.0, "v": 1.0}) for idx in probes}
+    errors = {idx: {kind: {p: probe.error(kind, p, clips[kind]) for p in plans[kind]} for kind in "kv"}
+              for idx, probe in sorted(probes.items())}
+    costs = {kind: {p: sum(weight[idx][kind] * errors[idx][kind][p] ** 2 for idx in errors) for p in plans[kind]}
+             for kind in "kv"}
+    tiers, predicted = choose(costs, budget)
+    layers = {}
+    for idx, err in errors.items():
+        ek, ev, w = err["k"][tiers.k], err["v"][tiers.v], weight[idx]
+        layers[str(idx)] = {"k_error": round(ek, 6), "v_error": round(ev, 6), "k_sensitivity": round(w["k"], 6),
+                            "v_sensitivity": round(w["v"], 6),
+                            "predicted_kl": round(w["k"] * ek * ek + w["v"] * ev * ev, 8)}
+    report = {"tiers": str(tiers), "predicted_kl": round(predicted, 8), "layers": layers}
+    return {idx: tiers for idx in probes}, report
