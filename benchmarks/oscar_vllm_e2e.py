@@ -38,14 +38,15 @@ QWEN3_4B = {
 }
 BACKENDS = {"bf16": ("TRITON_ATTN", None), "oscar": ("OSCAR", {"rotation": "hadamard"}), "tiered": ("OSCAR", None)}
 PLANS = REPO / "examples" / "artifacts" / "house-qwen3-auto80"
-"""Where the ``tiered`` run takes its per-layer tier lists: the 80-byte plans
-calibration chose for house-qwen3, repeated over the 36 layers."""
+"""Where the ``tiered`` run takes its tier plan: the 80-byte plan calibration
+chose for house-qwen3 (one for every layer), over the 36 layers."""
 
 
 def tiered_artifact(model: Path) -> str:
     """An artifact for the random-weight model: Hadamard rotations, zero fills
     and the calibrated 80-byte plans of :data:`PLANS`, one per layer in turn
-    (every layer launches the kernels with its own tier list)."""
+    (each layer launches the kernels with its own tier list, as a hand-written
+    per-layer artifact would)."""
     import torch
     from transformers import AutoConfig
 
