@@ -501,8 +501,8 @@ def render(res: dict) -> str:
             lines += table(["block", "launch", "ms"], [[r["block_size"], r["launch"], f"{r['ms']:.3f}"] for r in ext])
     if "splits" in res:
         sp = res["splits"]
-        lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {own_run(sp)}). An SM holds 11 one-warp programs at the default launch"
-                  " (168 registers, 19 KB of shared memory each); the default count (`num_splits`, marked) puts at"
+        lines += ["", f"Decode against the INT2 split count (32/8/128; its own run, {own_run(sp)}). An SM holds 11"
+                  " one-warp programs at the default launch (168 registers, 19 KB of shared memory each); the default count (`num_splits`, marked) puts at"
                   " most 32 INT2 programs on an SM, about three waves.", ""]
         lines += table(["batch", "context", "splits", "ms", "GB/s (% of read bw)"],
                        [[r["batch"], f"{r['context']:,}", f"{r['splits']}{' (default)' if r['splits'] == r['default'] else ''}",
@@ -555,8 +555,9 @@ def render(res: dict) -> str:
             "",
             "## Model-level projection: Qwen3-4B, 100K context, one H200's memory",
             "",
-            "Batch = requests whose KV fits in one H200's 0.9 x 141 GB minus weights and 4 GB workspace. Step time = 36 x"
-            f" (attention + store + the layer's linear layers, each timed above on {res['device']} at that batch) + lm_head."
+            "Batch = requests whose KV fits in one H200's 0.9 x 141 GB minus weights and 4 GB workspace. Step time"
+            f" = 36 x (attention + store + the layer's linear layers, each timed above on {res['device']} at that"
+            " batch) + lm_head."
             " Norms, RoPE, sampling and scheduling are left out.",
             "",
         ]
@@ -591,9 +592,10 @@ def cuda_check_section(c: dict) -> list[str]:
         f"## Inside vLLM on {c.get('device', 'the H200')} (`scripts/cuda_check.py`, {c.get('date', 'an earlier run')})",
         "",
         "house-qwen3 (bf16), prompts of code, 32 greedy tokens, OSCAR (sink 64, window 256) against TRITON_ATTN,"
-        f" the runs: {', '.join(n for n, r in c.items() if isinstance(r, dict) and 'exact_200_tokens' in r)} (`hadamard`: Hadamard rotation; `calibrated`: the"
-        " INT2 artifact; `tiered`: the default 80-byte artifact; `reference_ops`: the PyTorch ops on CUDA tensors,"
-        " otherwise the Triton kernels). Divergences are listed as prompt:step with BF16's own top-1 minus top-2 logprob at that step; |dlogprob| is taken"
+        f" the runs: {', '.join(n for n, r in c.items() if isinstance(r, dict) and 'exact_200_tokens' in r)}"
+        " (`hadamard`: Hadamard rotation; `calibrated`: the INT2 artifact; `tiered`: the default 80-byte artifact;"
+        " `reference_ops`: the PyTorch ops on CUDA tensors, otherwise the Triton kernels). Divergences are listed"
+        " as prompt:step with BF16's own top-1 minus top-2 logprob at that step; |dlogprob| is taken"
         " at BF16's token wherever both runs saw the same context.",
         "",
     ]

@@ -15,9 +15,9 @@ squared error (one forward each). Every layer then takes the same K and V
 plans: the pair whose bytes per token add up to the budget with the least
 predicted KL summed over layers, ``sum_l a_K,l err_K,l^2 + a_V,l err_V,l^2``.
 One plan, not one per layer, because a single layer's predicted KL on one
-window is overconfident: a per-layer choice leaves a layer's directions
-unstored where the window does not penalise it and other text does, while
-the sum over layers averages that out.
+window is overconfident: a per-layer choice left one layer's value
+directions unstored where the window did not penalise it and other text
+did. Keys store every direction (:func:`candidate_plans` says why).
 """
 
 from __future__ import annotations
