@@ -275,8 +275,8 @@ def main() -> None:
     p.add_argument("mode", nargs="?", default="all", choices=["all", "run", "render", "merge"])
     p.add_argument("files", nargs="*", help="merge: JSON files whose labels' engines are added")
     p.add_argument("--engine", choices=CHAT_ENGINES + SPEC_ENGINES, help="the engine of one 'run'")
-    p.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=None,
-                   help="the jobs of 'all' (default: all; --small: chat and spec)")
+    p.add_argument("--jobs", nargs="+", choices=sorted(JOBS) + list(CHAT_ENGINES + SPEC_ENGINES), default=None,
+                   help="the jobs or single engines of 'all' (default: all jobs; --small: chat and spec)")
     p.add_argument("--small", action="store_true", help="the CPU job (house-qwen3, 8 x 4 over 1K tokens)")
     p.add_argument("--label", default=None, help="key of this run in the JSON (default: cpu-small / h200)")
     p.add_argument("--model-dir", default="/tmp/kvq_qwen3_4b_dummy")
@@ -298,7 +298,8 @@ def main() -> None:
         print("RESULT " + json.dumps(run(args.engine, args)), flush=True)
         return
     if args.mode == "all":
-        engines = [e for job in (args.jobs or (["chat", "spec"] if args.small else list(JOBS))) for e in JOBS[job]]
+        engines = [e for job in (args.jobs or (["chat", "spec"] if args.small else list(JOBS)))
+                   for e in JOBS.get(job, (job,))]
         label = args.label or ("cpu-small" if args.small else "h200")
         results = json.loads(out.read_text()) if out.exists() else {}
         job = results.get(label, {})
