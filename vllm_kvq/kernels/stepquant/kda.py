@@ -150,5 +150,3 @@ def step(records, layout: KdaLayout, impact, q, k, v, g, beta):
     x = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return (x * q.unsqueeze(-1)).sum(-2), encode(x, layout, impact)
 
-
-__all__ = ["KdaLayout", "fit_head", "encode", "decode", "step"]

@@ -247,5 +247,3 @@ def kda_step_(pool, state_indices, plan: KdaPlan, mixed_qkv, raw_g, raw_beta, A_
     kda_writeback_(pool, plan, scratch, n, min_slot)
     return out
 
-
-__all__ = ["KdaPlan", "KdaScratch", "kda_foreground_", "kda_writeback_", "kda_step_"]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, PIVOT, StateLayout
+from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, StateLayout
 from vllm_kvq.kernels.stepquant.triton_foreground import foreground_kernel
 from vllm_kvq.kernels.stepquant.triton_writeback import writeback_kernel
 
@@ -251,6 +251,3 @@ def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None
     out = step_(new, idx, plan, q, k, v, g, beta, min_slot=0, **kw)
     return out, new
 
-
-__all__ = ["StepPlan", "StepScratch", "foreground_", "writeback_", "fg_span", "shape_error", "step_", "step", "LAUNCH",
-           "PIVOT", "FITS"]
