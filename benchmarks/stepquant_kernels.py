@@ -5,7 +5,7 @@ Both steps take vLLM's raw decode inputs (the post-conv ``q | k | v`` rows,
 the gate inputs ``a``, ``b`` and the layer's ``A_log``, ``dt_bias``). The FP32
 update is vLLM's own decode op (``fused_recurrent_gated_delta_rule_packed_decode``
 on FP32 ``[slots, H, V, K]`` states); this package's Triton twin of it
-(``triton_fp32.py``, on prepared inputs) is timed beside it. Everything is
+(``stepquant_fp32.py``, on prepared inputs) is timed beside it. Everything is
 replayed from CUDA graphs, so launch gaps do not count.
 
 * ``op``: one GDN layer at batch 512, K = V = 128: house-qwen3next (4 value
@@ -157,7 +157,7 @@ def packed_pool(su: Setup, bits: tuple, h: int, gen: torch.Generator):
 def op_section(su: Setup, budget_s: float) -> dict:
     from vllm_kvq.kernels.stepquant import reference as ref
     from vllm_kvq.kernels.stepquant import triton_step as ts
-    from vllm_kvq.kernels.stepquant.triton_fp32 import fp32_step_
+    from benchmarks.stepquant_fp32 import fp32_step_
 
     deadline = time.monotonic() + budget_s
     vllm_op = vllm_fp32_op(su.dev)
@@ -303,7 +303,7 @@ class Stack:
 def overlap_section(su: Setup, launch: dict | None) -> dict:
     from vllm_kvq.backends.state_pool import LayerPool, PackedDecoder, join_writebacks, packed_decode
     from vllm_kvq.kernels.stepquant import triton_step as ts
-    from vllm_kvq.kernels.stepquant.triton_fp32 import fp32_step_
+    from benchmarks.stepquant_fp32 import fp32_step_
 
     gen = torch.Generator(device=su.dev).manual_seed(1)
     m, n, kd = su.model, su.batch, su.kd

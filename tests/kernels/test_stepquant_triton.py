@@ -36,7 +36,7 @@ pytest.importorskip("triton")
 
 from vllm_kvq.kernels.stepquant import reference as ref  # noqa: E402
 from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout  # noqa: E402
-from vllm_kvq.kernels.stepquant.triton_fp32 import fp32_step_  # noqa: E402
+from benchmarks.stepquant_fp32 import fp32_step_  # noqa: E402
 from vllm_kvq.kernels.stepquant.triton_step import (StepPlan, StepScratch, foreground_, step, step_,  # noqa: E402
                                                      writeback_)
 

@@ -1,11 +1,9 @@
-"""How OSCAR pages are declared to vLLM's allocator.
-
-Each request owns ``R`` state blocks (its BF16 sink and window) in front of
-its INT2 data blocks, all drawn from the one block pool. The spec tells vLLM
-about those blocks (memory accounting, block-table width, capacity report) and
-the manager reserves them when the request gets its first blocks. With prefix
-caching the manager hashes only data blocks and restores a hit's state blocks
-from a window checkpoint.
+"""How OSCAR pages are declared to vLLM's allocator: each request owns ``R``
+state blocks (its BF16 sink and window) in front of its data blocks, all from
+the one block pool, and the spec counts them (memory, block-table width,
+capacity report). With prefix caching the manager hashes only data blocks and
+restores a hit's state blocks from a window checkpoint (docs/design.md,
+"Prefix caching").
 """
 
 from __future__ import annotations
@@ -48,17 +46,8 @@ class OscarAttentionSpec(FullAttentionSpec):
 
 class OscarKVCacheManager(FullAttentionManager):
     """Full-attention allocation plus ``state_blocks`` leading blocks per
-    request, and prefix caching of the data blocks behind them.
-
-    Asking for ``state_blocks * block_size`` more token slots than the request
-    has makes the first allocation hand out the state blocks first; they stay
-    at the head of the block table until the request is freed or preempted.
-    Only data blocks are hashed, by their index after the state blocks. A hit
-    is cut back to the longest block boundary that has a window checkpoint
-    (``window_checkpoints.py``), which is copied into the requester's fresh
-    state blocks before its first forward, so a hit reads exactly what the
-    request would have computed itself.
-    """
+    request (asking for that many more token slots makes the first allocation
+    hand them out first), and prefix caching of the data blocks behind them."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)

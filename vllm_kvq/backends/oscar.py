@@ -138,32 +138,30 @@ class OscarMetadata:
 
 
 class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
-    # The Triton path: full CUDA graphs for batches of uniform decode requests
-    # (one token each, or 1 + k with k speculative tokens; their padding rows
-    # have length 0 and slot -1 and write nothing); batches with a longer
-    # chunk run eagerly (or piecewise). The reference path: never
-    # (get_cudagraph_support).
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        """The Triton path: full CUDA graphs for batches of uniform decode
+        requests (one token each, or 1 + k with k speculative tokens; padding
+        rows have length 0 and slot -1 and write nothing), other batches
+        eager. The reference ops loop over requests on the host: never."""
         from vllm.platforms import current_platform
 
         s = kvq_settings.from_vllm_config(vllm_config)
-        if uses_triton(s, torch.device(current_platform.device_type)):
-            if s.speculative_tokens:
-                return AttentionCGSupport.UNIFORM_BATCH  # verification steps of 1 + k tokens a request
-            return cls._cudagraph_support
-        return AttentionCGSupport.NEVER  # the reference ops loop over requests on the host
+        if not uses_triton(s, torch.device(current_platform.device_type)):
+            return AttentionCGSupport.NEVER
+        return AttentionCGSupport.UNIFORM_BATCH if s.speculative_tokens else cls._cudagraph_support
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self._triton = uses_triton(kvq_settings.from_vllm_config(vllm_config), torch.device(device))
+        settings = kvq_settings.from_vllm_config(vllm_config)
+        self._triton = uses_triton(settings, torch.device(device))
         # Decode requests first: one token each, or on the Triton path up to
         # 1 + k with k speculative tokens (the decode kernel takes them; the
         # ring's k spare slots bound how many).
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=self._triton)
-        self._decode_max = 1 + kvq_settings.from_vllm_config(vllm_config).speculative_tokens if self._triton else 1
+        self._decode_max = 1 + settings.speculative_tokens if self._triton else 1
         self._speculative = self._decode_max > 1
         # vLLM's host copy of the sequence lengths is exact without speculative decoding
         self._host_seq_lens_exact = getattr(vllm_config, "speculative_config", None) is None
@@ -359,7 +357,7 @@ class OscarImpl(AttentionImpl):
             return self._unrotated(output, n)
         if not self.k_identity:
             k = self._rotate(k, self.k_rotation)
-        step = self._reference_step(kv_cache, fmt, q.device)
+        step = SCHEMES[self.settings.scheme].reference_step(kv_cache, fmt, self._codec_on(q.device))
         qsl = md.query_start_loc
         for i, seq_len in enumerate(md.seq_lens):
             start, end = qsl[i], qsl[i + 1]
@@ -367,11 +365,6 @@ class OscarImpl(AttentionImpl):
                 res = step(md.block_table[i], seq_len - (end - start), q[start:end], k[start:end], v[start:end])
                 out[start:end] = res.to(out.dtype)
         return self._unrotated(output, n)
-
-    def _reference_step(self, kv_cache, fmt, device):
-        """The scheme's PyTorch reference step on one request:
-        ``(block_row, ctx, q, k, v) -> attention rows``, attending then writing."""
-        return SCHEMES[self.settings.scheme].reference_step(kv_cache, fmt, self._codec_on(device))
 
     def _codec_on(self, device) -> LayerCodec:
         """The layer's codec with its 0-bit means on ``device`` (moved once)."""
@@ -391,16 +384,10 @@ class OscarImpl(AttentionImpl):
         return output
 
     def _forward_triton(self, q, k, v, kv_cache, fmt, md, out) -> None:
-        """CUDA: decode requests (one token each, or 1 + k drafts being
-        verified: each query row its own window edge) store then run the
-        split-KV decode; the ring's k spare slots keep every row those
-        queries read. Longer chunks store their INT2 rows, attend, then store
-        their BF16 rows (their early queries still read the ring rows they
-        replace).
-
-        The decode half is what a full CUDA graph captures: it reads only
-        device buffers that vLLM rewrites in place (seq_lens, block table,
-        slot mapping) and launches a grid fixed by the (padded) batch size."""
+        """CUDA (docs/design.md, "The CUDA path"): decode requests store then
+        run the split-KV decode; longer chunks store their INT2 rows, attend,
+        then store their BF16 rows. The decode half is what a full CUDA graph
+        captures: it reads only device buffers vLLM rewrites in place."""
         from vllm_kvq.kernels.oscar import triton_decode, triton_extend, triton_store
 
         table = md.block_table

@@ -1,25 +1,9 @@
-"""The quantized gated-delta-net state pool: each GDN layer's packed records.
-
-vLLM keeps every GDN layer's recurrent state per request slot as
-``[HV, V, K]`` in FP32. With ``kvq.state`` set, the slot's state bytes become
-one packed record (``kernels/stepquant/format.py``) and vLLM's page shrinks with
-it (the GDN seam, :mod:`vllm_kvq.hooks.gdn`, declares the record and stages
-vLLM's own GDN step around it). Here: a layer's pool (layout, impacts), the
-codec calls, and CUDA decode batches on the records in place, split
-(``kernels/stepquant/triton_step.py``): the foreground (readout) on the
-layer's stream, the writeback (fit and repack) on a second stream while later
-layers run.
-
-Stream rules. Per layer an event orders the writeback after its foreground
-(the record stays as it was until the foreground has read it); the model's
-forward ends by making its stream wait for the writebacks it started
-(:func:`join_writebacks`, called by the GDN seam), so the next step, staged
-or not, finds every record written; a foreground also waits for its layer's
-last writeback when it is not being captured. Each layer has its own scratch,
-allocated when the layer is built, so no two layers' writebacks share memory
-and a CUDA graph's pool never reuses it. vLLM's full decode graphs capture
-both streams (the fork and join are event waits inside the captured
-forward).
+"""The quantized gated-delta-net state pool: each GDN layer's packed records
+(``kernels/stepquant/format.py``), declared and staged around vLLM's own GDN
+step by the GDN seam (:mod:`vllm_kvq.hooks.gdn`). Here: a layer's pool, the
+codec calls, and CUDA decode batches on the records in place, the foreground
+on the layer's stream and the writeback on a second one; docs/stepquant.md,
+"Streams and hazards", gives the ordering rules the events below keep.
 """
 
 from __future__ import annotations
@@ -32,11 +16,6 @@ from vllm_kvq.backends import settings as kvq_settings
 from vllm_kvq.backends.resolve import pool_plan
 from vllm_kvq.kernels.stepquant import reference as codec
 from vllm_kvq.kernels.stepquant.format import StateLayout
-
-# ---------------------------------------------------------------------------
-# Per-layer state
-# ---------------------------------------------------------------------------
-
 
 @dataclass
 class LayerPool:
@@ -77,13 +56,6 @@ def encode_states(states: torch.Tensor, pool: LayerPool) -> torch.Tensor:
 
 def decode_states(records: torch.Tensor, pool: LayerPool, out: torch.Tensor | None = None) -> torch.Tensor:
     return codec.decode(records, pool.layout, out)
-
-
-# The fast fit (reciprocals, hardware sqrt/divide for the per-row/column scale
-# math) stays within the kernel's bound against the reference (one quantization
-# step, at rounding boundaries), as the exact one does, and is ~20% faster on
-# the H200 (docs/kernels.md).
-FAST_DECODE = True
 
 
 class PackedDecoder:
@@ -143,7 +115,7 @@ def _decode_rows() -> int:
 
 
 def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log, dt_bias, num_k_heads: int, out,
-                  fast: bool = FAST_DECODE) -> None:
+                  fast: bool = True) -> None:
     """One decode token per request on packed records, in place.
 
     ``records [slots, size]`` uint8, any slot stride (vLLM's state view);
@@ -155,7 +127,8 @@ def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log
     softplus(a + dt_bias)``, ``beta = sigmoid(b)``, in fp32) and writes the
     readout of the unquantized new state into ``out`` on the current stream;
     the writeback packs the state back with the plan's fit on the writeback
-    stream (on CPU, right after).
+    stream (on CPU, right after). ``fast``: the fit with reciprocals, within
+    the same bound against the reference and ~20% faster (docs/kernels.md).
     """
     from vllm_kvq.kernels.stepquant.triton_step import foreground_, writeback_  # Triton: only where it runs
 

@@ -1,17 +1,9 @@
-"""Window checkpoints: copies of a request's state blocks at a block boundary.
-
-A prefix hit of ``b`` tokens reuses the cached INT2 data blocks of positions
-``0 .. b``, but the requester must also hold the BF16 rows its reads need: the
-sink and the last W positions before ``b``. Those exist only in the state
-blocks of the request that computed them, and only at the moment its computed
-length was exactly ``b``. A checkpoint is a copy of those R state blocks taken
-at that moment, cached in vLLM's block pool under keys derived from the hash
-of data block ``b / KB - 1``; a hit at ``b`` copies it into the requester's
-own state blocks. Each state block index gets its own key, so a checkpoint
-whose blocks were partly evicted is simply not found.
-
-This module keeps the key scheme and the per-pool demand bookkeeping; the
-manager in ``kv_spec.py`` decides when to take, restore and drop checkpoints.
+"""Window checkpoints: copies of a request's R state blocks (sink and window
+rows) taken when its computed length is a block boundary ``b``, cached under
+keys derived from the hash of data block ``b / KB - 1``, one key per state
+block, so a partly evicted checkpoint is not found (docs/design.md, "Prefix
+caching"). Here: the keys and each pool's demand record; ``kv_spec.py``
+decides when to take, restore and drop them.
 """
 
 from __future__ import annotations

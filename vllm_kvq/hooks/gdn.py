@@ -122,8 +122,6 @@ def _joining(forward):
     return run
 
 
-
-
 class _StagedLayer:
     """The GDN layer as vLLM's kernels see it, with staged states: attributes
     come from the layer, methods run on this view (so ``self.kv_cache`` inside

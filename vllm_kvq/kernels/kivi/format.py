@@ -1,34 +1,8 @@
-"""Byte layout of the KIVI-style INT2 cache, a reference point for OSCAR.
-
-Keys are quantized **per channel** over groups of ``T = 32`` consecutive
-positions (one fp16 (scale, min) pair per channel and group), values **per
-token**, one INT2 group a row as in OSCAR INT2. Nothing is rotated. The
-request's BF16 sink and window live in state blocks exactly as in
-:mod:`vllm_kvq.kernels.oscar.format`.
-
-Data block region (per KV head, ``KB`` a multiple of ``T``)::
-
-    offset                          size            content
-    0                               KB * D/4        K codes   [KB, D/4] uint8, quartered
-    KB * D/4                        KB * D/4        V codes   [KB, D/4] uint8, quartered
-    KB * D/2                        KB * D/8        K (scale, min) [KB/T, D, 2] fp16
-    KB * D/2 + KB * D/8             KB * 4          V (scale, min) [KB, 2] fp16
-                                    ------------
-                                    KB * C,  C = D/2 + D/8 + 4
-
-``T`` is the ``key_group`` setting (32 as in KIVI; 64 gives keys 2.5 bits, 128
-gives 2.25). A key group can be quantized only once its ``T`` positions are known: it is
-written when its last position is stored. Until then its positions are read
-from the BF16 window, which covers them as long as ``W >= T`` (enforced).
-
-With ``key_pairs = "int8"`` a key group stores one fp16 step (its largest
-``|k|`` / 120) then, per channel, int8 ``(floor(min/step), ceil(max/step))``:
-``2D + 2`` bytes per group, so 9 B per token at D = 128, T = 32 (77 B per token
-and head, 2.406 bits per element).
-
-Worked size (D = 128, T = 32): C = 32 + 32 + 16 + 4 = 84 B per token
-and head (keys 3 bits, values 2.25 bits, 2.625 bits per element on average),
-against 72 B for OSCAR and 512 B for BF16.
+"""Byte layout of the KIVI-style INT2 cache, a reference point for OSCAR
+(docs/design.md, "The KIVI-style scheme", draws it): keys per channel over
+groups of ``key_group`` positions, values per token, nothing rotated; sink
+and window in state blocks as OSCAR's. A key group is written when its last
+position is stored and read from the BF16 window until then, so ``W >= T``.
 """
 
 from __future__ import annotations

@@ -1,56 +1,12 @@
-"""Byte layout of the OSCAR cache inside vLLM's paged blocks.
+"""Byte layout of the OSCAR cache inside vLLM's paged blocks
+(docs/design.md, "The page layout, byte by byte", draws it with worked sizes).
 
-A rotated K or V row is cut into **tiers** of directions, strongest first:
-``int4`` directions stored at 4 bits, then ``int2`` at 2 bits, then ``zero``
-directions not stored at all (read back as their calibrated mean, the
-artifact's ``fill``). Each stored tier is one quantization group with its own
-fp16 (scale, min): min-max over the tier, INT2 tiers clipped first at the
-layer's ratio, INT4 tiers not. OSCAR INT2 is the one-tier case (every
-direction at 2 bits).
-
-vLLM hands the backend one uint8 tensor per layer, ``[num_blocks, H, KB, C]``
-(layout LBHNC), so every (block, KV head) pair owns one contiguous region of
-``KB * C`` bytes. A request's block table starts with ``R`` **state blocks**
-(its BF16 sink and recent window) followed by **data blocks** of ``KB`` tokens.
-
-Data block region (per KV head), with ``KC`` / ``VC`` the code bytes of one K /
-V row and ``NK`` / ``NV`` their stored tiers::
-
-    offset                      size         content
-    0                           KB * KC      K codes  [KB, KC] (token-major)
-    KB * KC                     KB * VC      V codes  [VC, KB] (byte-major: byte b of token t at b * KB + t)
-    KB * (KC + VC)              KB * 4 NK    K (scale, min) [KB, NK, 2] fp16
-    KB * (KC + VC + 4 NK)       KB * 4 NV    V (scale, min) [KB, NV, 2] fp16
-                                -----------
-                                KB * C,  C = KC + VC + 4 (NK + NV)
-
-A row's code bytes hold its INT4 tier, then its INT2 tier. INT4 codes are
-"halved": byte ``b`` holds element ``b`` in the low and ``b + w/2`` in the
-high nibble (``w`` the tier's width). INT2 codes are "quartered": byte ``b``
-holds elements ``b, b + w/4, b + w/2, b + 3w/4`` in bits 0-1, 2-3, 4-5, 6-7.
-Elements count from the tier's first direction. A code dequantizes as
-``code * scale + min``. V's codes are byte-major because decode sums values
-over tokens: one load then brings consecutive tokens of one code byte, as one
-brings consecutive code bytes of a key.
-
-State block region (per KV head): ``rows = (KB * C) // (4D)`` slots of one BF16
-K row and one BF16 V row each (``[rows, 2, D]`` bf16, the tail unused). The R
-state blocks together give ``S0 + W`` slots: slot ``p`` holds sink position
-``p < S0``; slot ``S0 + (p - S0) % W`` holds window position ``p >= S0``
-(``W + k`` slots and ``% (W + k)`` with ``k`` speculative tokens a step).
-
-Worked sizes (D = 128, KB = 128, S0 = 64, W = 256):
-
-* OSCAR INT2 (K ``128x2``, V ``128x2``): KC = VC = 32, one pair each:
-  C = 72 B per token and head (2.25 bits per element, 7.1x less than BF16's
-  512). A data block is 9,216 B per head; a state block holds 18 slots, so
-  R = 18.
-* Tiers K ``48x4,80x2`` and V ``16x4,48x2,64x0``: KC = 24 + 20 = 44, VC =
-  8 + 12 = 20, two pairs each: C = 80 B (2.5 bits per element). A state block
-  holds 20 slots, so R = 16.
-
-Every token of a request is quantized into its data block when written (sink
-and window tokens too), so a row never has to move when it leaves the window.
+A rotated K or V row is cut into tiers of directions, strongest first: INT4,
+INT2, then 0-bit (not stored, read back as the artifact's ``fill`` mean).
+A request's block table starts with ``R`` state blocks holding its BF16 sink
+and window ring, then its data blocks of codes and fp16 (scale, min) pairs.
+Every token is quantized into its data block when written, so nothing moves
+when a token leaves the window.
 """
 
 from __future__ import annotations

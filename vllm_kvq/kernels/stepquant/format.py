@@ -25,13 +25,6 @@ A value is ``r[i, j // (V / n_r)] * c[j] * z[i, j]`` with z the signed code:
 ``code - (2^(b-1) - 1)`` for b >= 4, and ``2 * code - 3`` (levels -3, -1, 1, 3)
 for b = 2. An all-zero record decodes to the zero state.
 
-Worked size (a Qwen3.5-27B-like layer: 48 value heads of K = V = 128, @6 with
-one pivot, which the budget counts as 8 bits, so the 47 integer heads share
-6*48 - 8 = 280 bits): codes 280 * 128*128/8 = 573,440 B, scales 47 * 512 =
-24,064 B, pivot 32,768 B; 630,272 B against 48 * 65,536 = 3,145,728 B in FP32
-(4.99x, 6.41 bits per value). house-qwen3next (4 heads, widths 4/6/6/8):
-49,152 B of codes + 2,048 B of scales = 51,200 B against 262,144 B (5.12x).
-
 The record is padded to ``record_bytes`` (the same for every layer and rank,
 because vLLM gives all state pages of a model one size).
 """
@@ -39,6 +32,7 @@ because vLLM gives all state pages of a model one size).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 WIDTHS = (2, 4, 6, 8)
 PIVOT = 16
@@ -84,8 +78,9 @@ class StateLayout:
         if self.record_bytes and self.record_bytes < self.packed_bytes:
             raise ValueError(f"record_bytes {self.record_bytes} < packed size {self.packed_bytes}")
 
-    @property
-    def heads(self) -> tuple[HeadSlot, ...]:
+    @cached_property
+    def _slots(self) -> tuple[tuple[HeadSlot, ...], int]:
+        """Every head's slot, and the bytes of the heads back to back."""
         k, v = self.k_dim, self.v_dim
         out, off = [], 0
         for b in self.bits:
@@ -99,18 +94,15 @@ class StateLayout:
             cols = rows + 2 * k * groups
             out.append(HeadSlot(b, off, nbytes, rows, groups, cols))
             off = cols + 2 * v
-        return tuple(out)
+        return tuple(out), off
+
+    @property
+    def heads(self) -> tuple[HeadSlot, ...]:
+        return self._slots[0]
 
     @property
     def packed_bytes(self) -> int:
-        k, v = self.k_dim, self.v_dim
-        total = 0
-        for b in self.bits:
-            if b == PIVOT:
-                total += 2 * k * v
-            else:
-                total += k * v * b // 8 + 2 * k * (v // INT2_GROUP if b == 2 else 1) + 2 * v
-        return total
+        return self._slots[1]
 
     @property
     def size(self) -> int:

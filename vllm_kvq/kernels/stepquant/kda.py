@@ -1,29 +1,13 @@
 """STEPQuant's row-unit codec for KDA (Kimi Delta Attention) states, in plain
-PyTorch: the layout, the fit, and the decode step.
+PyTorch: the layout, the fit, and the decode step (docs/stepquant.md, "KDA").
 
-KDA gates its state per key channel: ``S_t = (I - β k kᵀ) diag(d_t) S_{t-1} +
-β k vᵀ`` with a decay ``d_t`` of K entries, so every key row of a head has its
-own memory lifetime. The unit a plan allocates is therefore one key row (K x
-V state, row i = key channel i, V values): each row has its own width, 2, 4,
-6 or 8 bits, or 16 for an FP16 "pivot" row. The rows of a head still share
-one fp16 column-scale vector, so codes are kept in common units: a b-bit
-row stores ``q`` with ``|q| <= 2^(b-1) - 1`` and means ``z = 2^(8-b) q``
-(8-bit steps); a value is ``r_i c_j 2^(8-b_i) q_ij``. The fit, per head and
-step, over its integer rows I (pivot rows are stored as fp16 and stay out):
-
-1. row factors ``r_i = fp16(sqrt(mean_j |X_ij| / w_i))``;
-2. column scales by absmax, ``c_j = fp16(max_{i in I} |X_ij / r_i| / (qmax_i n_i))``
-   with ``n_i = 2^(8-b_i)``;
-3. codes ``q_ij = clamp(round(X_ij / (r_i c_j n_i)), ±qmax_i)``, one
-   w²-weighted least-squares refit of every column scale with the codes fixed
-   (kept when its denominator is 0), then the final codes.
-
-Record of one request and layer, per head in order: the codes of its rows
-grouped by width (2, 4, 6, 8, then pivots; key order within a width; each
-row ``V b / 8`` bytes, packed little-endian as in ``format.py``, unsigned code
-``q + qmax``; pivots fp16), then fp16 row factors ``[K]`` (pivot entries 0),
-then fp16 column scales ``[V]``. An all-zero record decodes to the zero state.
-States are fp32 ``[N, H, K, V]`` in math orientation.
+KDA decays every key row by its own gate, so a plan gives each key row its own
+width; the rows of a head share one fp16 column-scale vector, so a b-bit row
+stores ``q`` meaning ``2^(8-b) q`` (common 8-bit steps): a value is ``r_i c_j
+2^(8-b_i) q_ij``. Record per head: the rows' codes grouped by width (2, 4, 6,
+8, then fp16 pivots; key order within a width; packed as in ``format.py``,
+unsigned ``q + qmax``), fp16 row factors ``[K]`` (pivots 0), fp16 column
+scales ``[V]``. States are fp32 ``[N, H, K, V]`` in math orientation.
 """
 
 from __future__ import annotations
@@ -166,5 +150,3 @@ def step(records, layout: KdaLayout, impact, q, k, v, g, beta):
     x = s + k.unsqueeze(-1) * delta.unsqueeze(-2)
     return (x * q.unsqueeze(-1)).sum(-2), encode(x, layout, impact)
 
-
-__all__ = ["KdaLayout", "fit_head", "encode", "decode", "step"]

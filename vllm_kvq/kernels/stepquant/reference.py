@@ -3,34 +3,16 @@ calibration scores candidate widths with, and the ground truth that the Triton
 kernels are compared against.
 
 States are fp32 ``[N, H, K, V]`` in math orientation (key rows, value
-columns); records are uint8 ``[N, layout.size]`` (see ``format.py``).
+columns); records are uint8 ``[N, layout.size]`` (see ``format.py``). The fit
+(``stepquant``: impact-weighted row factors, absmax column scales, one
+w²-weighted refit; ``rowwise``: one absmax scale per key row) is
+docs/stepquant.md's "What is stored". :func:`foreground` and
+:func:`writeback` are the twins of the split Triton step.
 
-The dual-axis fit, per integer head and step (``fit="stepquant"``):
-
-1. row factors ``r_i = fp16(sqrt(mean_j |X_ij| / w_i))`` (per 32-column group
-   for INT2): wide rows get a wider range, high-impact rows (w > 1) a finer step;
-2. column scales by absmax of ``X / r`` over the rows;
-3. one w²-weighted least-squares refit of every column scale with the codes
-   fixed, then the final nearest-level codes.
-
-``fit="rowwise"`` is the uniform baseline on the same storage: one absmax
-scale per key row (``r_i = max_j |X_ij| / qmax``, ``c = 1``), no impact, no
-refit.
-
-On CUDA the step runs split (``triton_step.py``): :func:`foreground` is what
-the layer waits for (the readout of the unquantized X, δ and per-row partial
-sums of |X|, the records only read), :func:`writeback` the rest (X rebuilt
-from the old record and the rank-1 update, the fit from the partials, the
-repack), which runs beside later layers. Together they give :func:`step`'s
-records except where the partials' summation order moves a row factor
-across an fp16 rounding boundary.
-
-Being the CPU serving path, the code minds its passes over memory: on CPU the
-batch is fitted in slices of requests that stay in cache, temporaries reuse
-one scratch, and same-width consecutive heads are read as views. Each of
-these computes the same floating-point operations on the same values, so the
-records are bit for bit what the plain formulas above give
-(``tests/kernels/test_stepquant_reference.py`` pins the slicing).
+Being the CPU serving path, the code minds its passes over memory (slices of
+requests that stay in cache, one scratch, views of consecutive heads), each
+computing the same floating-point operations, so the records are bit for bit
+what the plain formulas give (``tests/kernels/test_stepquant_reference.py``).
 """
 
 from __future__ import annotations

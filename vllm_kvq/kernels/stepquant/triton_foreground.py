@@ -1,16 +1,9 @@
-"""The split step's foreground: what a GDN layer waits for.
-
-Twin of :func:`reference.foreground`. One program per (``TILE`` value
-columns, value head, request), all K key rows, the FP32 update's own tiling:
-it unpacks its columns of the record and rebuilds ``S = exp(g) X̂`` in
-registers, applies the delta rule column by column (``δ_j = β (v_j - Σ_i S_ij
-k_i)``, ``X = S + k δᵀ``) and writes the readout ``Xᵀq`` of the unquantized
-X. The record is only read. What the writeback needs is written beside it, a
-few floats per column and row: δ, the rows' sums of |X| (their max for the
-rowwise fit: per 32 columns for INT2 heads, whose row factors are; one per
-program for the others, in the first of its ``PART``-column slots, the rest
-zeroed), and, since the step's own inputs are temporaries the writeback must
-not race, the request's slot, key and decay.
+"""The split step's foreground: what a GDN layer waits for (twin of
+:func:`reference.foreground`; docs/stepquant.md, "Decode on CUDA"). One
+program per (``TILE`` value columns, value head, request), all K key rows.
+The record is only read; δ, the rows' partial sums of |X| (max for the
+rowwise fit), and the request's slot, key and decay go to the scratch, since
+the step's own inputs are temporaries the writeback must not race.
 """
 
 from __future__ import annotations

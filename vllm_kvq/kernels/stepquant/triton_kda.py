@@ -1,19 +1,9 @@
-"""The split STEPQuant step on KDA records (``kda.py``): a foreground and a
-writeback, as for GDN (``triton_step.py``), for rows of mixed widths.
-
-Twin of :func:`kda.step`. Every row of a head has its own width, so a tile
-``[4, TQ, K]`` (4 consecutive columns of a quad first, all K rows) reads each
-row through its own byte offset, width, code mask and 2^(8-b) unit from the
-layer's tables: a quad of a b-bit row is ``b / 2`` whole bytes (one 32-bit
-word at most), a pivot row's quad 4 fp16 values. The foreground takes vLLM's
-raw KDA decode inputs (post-conv ``q | k | v`` rows, per-channel gate inputs,
-beta input, ``A_log``, ``dt_bias``) and gates them as vLLM's decode kernel
-does (``-exp(A_log) softplus(g + dt_bias)``, or ``lower_bound sigmoid(exp(A_log)
-(g + dt_bias))``); it writes the readout, and δ, the rows' sums of |X|, the
-keys and the K decays for the writeback. The writeback (one program per head
-and request, value tiles in turn) fits the new row factors, rebuilds X from
-the old record and ``k δᵀ``, fits the shared column scales over the integer
-rows and packs every row at its width; pivot rows are stored as fp16.
+"""The split STEPQuant step on KDA records (``kda.py``), as for GDN
+(``triton_step.py``), for rows of mixed widths; twin of :func:`kda.step`.
+Every row of a head has its own width, so a tile reads each row through its
+own byte offset, width and 2^(8-b) unit from the layer's tables. The
+foreground takes vLLM's raw KDA decode inputs and gates them as vLLM's decode
+kernel does.
 """
 
 from __future__ import annotations
@@ -257,5 +247,3 @@ def kda_step_(pool, state_indices, plan: KdaPlan, mixed_qkv, raw_g, raw_beta, A_
     kda_writeback_(pool, plan, scratch, n, min_slot)
     return out
 
-
-__all__ = ["KdaPlan", "KdaScratch", "kda_foreground_", "kda_writeback_", "kda_step_"]

@@ -1,45 +1,21 @@
-"""The STEPQuant decode step on packed records, split in two.
-
-The fit couples a head's whole ``K x V`` state twice (each row factor needs
-its row's mean |X| over every column, each column scale every row) and costs
-some 36 instructions an element, while the delta rule and readout are bound
-by memory. So the step is cut where the readout no longer depends on the fit:
+"""The STEPQuant decode step on packed records, split in two where the
+readout no longer depends on the fit (docs/stepquant.md, "Decode on CUDA: the
+split step", gives the kernels, the streams and the hazards):
 
 * :func:`foreground_` (``triton_foreground.py``), what the layer waits for:
-  unpack, delta rule, the readout of the unquantized X; the record is only
-  read, and δ, the rows' partial sums of |X|, the slot, key and decay go to
-  a per-layer :class:`StepScratch`.
+  the readout of the unquantized X; the record is only read, and what the
+  writeback needs goes to a per-layer :class:`StepScratch`.
 * :func:`writeback_` (``triton_writeback.py``), which may run on another
-  stream once the foreground is done: new row factors from the partials,
-  X rebuilt from the old codes and scales and the rank-1 update ``k δᵀ``, the
-  column fit, the codes packed back in place.
+  stream once the foreground is done: the fit and the repack in place.
 
-:func:`step_` runs both on the current stream (the twin of
-:func:`reference.step`); ``backends/state_pool.py`` runs the writeback on a
-second stream. Hazards, all by construction: the record is read by the
-foreground and rewritten only by the writeback, which must start after it;
-the scratch is written by the foreground and read by the writeback, so the
-next foreground of the same layer must start after the writeback; each
-writeback program reads and writes one head of one record and nothing else.
-
-Records live in a pool ``[slots, size]`` of uint8 whose slot stride may be
-larger than the record (vLLM's state view: the record sits inside a larger
-hybrid page, after the conv state); ``state_indices [N]`` (any stride, e.g. a
-column of vLLM's block table) names each request's slot, and requests whose
-index is below ``min_slot`` (vLLM's padding and null slot 0: ``min_slot=1``)
-get a zero output and touch nothing. Each width is a constexpr (one launch per
-width present in the layer and kernel). No host sync, fixed grids, no
-allocation when given a scratch: CUDA-graph safe.
-
-The fit is the plan's: ``stepquant`` (the dual-axis fit with the impact
-factors) or ``rowwise`` (the uniform baseline: one absmax scale per key row,
-unit column scales), as in :func:`reference.fit_heads`. ``fast=True`` (the
-default) multiplies by reciprocals of the row and column scales instead of
-dividing every element, folds the decay into the row factors and uses the
-hardware sqrt/divide for the per-row/column scale math; ``fast=False`` keeps
-the reference's correctly rounded divisions element by element. Either way
-codes differ from the reference's only where a value sits within an ulp or two
-of a rounding boundary (sums also run in another order); the tests bound that.
+Records live in a pool ``[slots, size]`` of uint8 whose slot stride may exceed
+the record (vLLM's hybrid page); requests whose slot is below ``min_slot``
+(vLLM's padding and null slot 0) get a zero output and touch nothing. No host
+sync, fixed grids, no allocation given a scratch: CUDA-graph safe.
+``fast=True`` multiplies by reciprocals and uses the hardware sqrt/divide;
+``fast=False`` keeps the reference's correctly rounded divisions. Either way
+codes differ from the reference's only within an ulp or two of a rounding
+boundary; the tests bound that.
 """
 
 from __future__ import annotations
@@ -49,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, PIVOT, StateLayout
+from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, StateLayout
 from vllm_kvq.kernels.stepquant.triton_foreground import foreground_kernel
 from vllm_kvq.kernels.stepquant.triton_writeback import writeback_kernel
 
@@ -275,6 +251,3 @@ def step(records, layout, impact, q, k, v, g, beta, plan: StepPlan | None = None
     out = step_(new, idx, plan, q, k, v, g, beta, min_slot=0, **kw)
     return out, new
 
-
-__all__ = ["StepPlan", "StepScratch", "foreground_", "writeback_", "fg_span", "shape_error", "step_", "step", "LAUNCH",
-           "PIVOT", "FITS"]

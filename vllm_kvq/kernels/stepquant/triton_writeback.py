@@ -1,16 +1,7 @@
-"""The split step's writeback: the fit and repack, off the layer's critical path.
-
-Twin of :func:`reference.writeback`. One program per (value head, request)
-owns that head's record: it takes the new row factors from the foreground's
-partials (``sqrt(mean |X| / impact)``, per 32 columns for INT2; the rowwise
-fit's ``max |X| / qmax``), keeps the old ones in registers and stores the new
-ones, then walks the value columns ``TILE`` at a time with all K key rows:
-it rebuilds its columns of X from the old codes and column scales and the
-rank-1 update (``X = exp(g) r c z + k δᵀ``, or directly ``X / r`` with one
-FMA an element in the fast fit), fits the column scales (absmax, then one
-w²-weighted least-squares refit) and writes the codes and scales back in
-place. Pivot heads are rebuilt and stored as fp16. No dense state is written
-anywhere; every byte a program reads from the record is its own to write.
+"""The split step's writeback: the fit and repack, off the layer's critical path
+(twin of :func:`reference.writeback`; docs/stepquant.md, "Decode on CUDA").
+One program per (value head, request) owns that head's record, so every byte
+it reads from the record is its own to write; no dense state is written.
 """
 
 from __future__ import annotations
