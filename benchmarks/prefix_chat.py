@@ -112,7 +112,7 @@ def _engine(name: str, args: argparse.Namespace):
 
     cuda = torch.cuda.is_available()
     kw = dict(seed=0, async_scheduling=False, max_model_len=args.max_model_len,
-              enable_prefix_caching=name.endswith("_apc"), disable_log_stats=False,
+              enable_prefix_caching=name in ("oscar_apc", "bf16_apc"), disable_log_stats=False,
               max_num_batched_tokens=args.chunk, max_num_seqs=args.max_seqs)
     kw.update(dict(enforce_eager=False, compilation_config=dict(GRAPHS)) if args.cuda_graphs
               else dict(enforce_eager=True))
@@ -257,7 +257,10 @@ def run(name: str, args: argparse.Namespace) -> dict:
     llm = _engine(name, args)
     capacity = llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens
     job = chat_job(llm, args) if name in CHAT_ENGINES else spec_job(llm, args)
-    return {"engine": name, "kv_cache_size_tokens": capacity, **job}
+    import torch
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"engine": name, "device": device, "kv_cache_size_tokens": capacity, **job}
 
 
 SMALL = dict(model="house", conversations=8, turns=4, doc_len=1024, user_len=32, gen=32, max_model_len=2048,
@@ -278,7 +281,7 @@ def main() -> None:
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS) + list(CHAT_ENGINES + SPEC_ENGINES), default=None,
                    help="the jobs or single engines of 'all' (default: all jobs; --small: chat and spec)")
     p.add_argument("--small", action="store_true", help="the CPU job (house-qwen3, 8 x 4 over 1K tokens)")
-    p.add_argument("--label", default=None, help="key of this run in the JSON (default: cpu-small / h200)")
+    p.add_argument("--label", default=None, help="key of this run in the JSON (default: cpu-small / gpu)")
     p.add_argument("--model-dir", default="/tmp/kvq_qwen3_4b_dummy")
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None, help="render: write the markdown there too (docs/prefix_caching.md)")
@@ -300,14 +303,16 @@ def main() -> None:
     if args.mode == "all":
         engines = [e for job in (args.jobs or (["chat", "spec"] if args.small else list(JOBS)))
                    for e in JOBS.get(job, (job,))]
-        label = args.label or ("cpu-small" if args.small else "h200")
+        label = args.label or ("cpu-small" if args.small else "gpu")
         results = json.loads(out.read_text()) if out.exists() else {}
         job = results.get(label, {})
         shape = {k: getattr(args, k) for k in (SMALL | H200) if getattr(args, k, None) is not None}
         job.update({"platform": "CPU (vLLM CPU build, 2 cores shared)" if args.small else "CUDA", **shape,
                     "ngram": NGRAM, "eagle3": (dict(EAGLE3, draft="one layer, random weights")
                                               if any(e.endswith("_eagle3") for e in engines) else job.get("eagle3")),
-                    "cuda_graphs": args.cuda_graphs, "budget_s": args.budget_s})
+                    "cuda_graphs": args.cuda_graphs})
+        if any(e in CHAT_ENGINES for e in engines):  # a later speculation run keeps the chat job's budget
+            job["budget_s"] = args.budget_s
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
         if args.small:  # numba's ngram threads otherwise fight torch's for the cores (5-20x slower steps)
             env.setdefault("NUMBA_NUM_THREADS", "1")
@@ -317,6 +322,7 @@ def main() -> None:
             cmd = [sys.executable, "-m", "benchmarks.prefix_chat", "run", "--engine", name, *passed]
             job[name] = run_child(cmd, env, args.timeout_s)
             print(name, job[name], flush=True)
+            job["device"] = job[name].get("device", job.get("device"))
             results[label] = job
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(results, indent=2))  # after each engine: a cut step keeps the finished ones
@@ -348,7 +354,7 @@ def render(results: dict) -> str:
     rows = ["# Prefix caching and speculative decoding: measured", "",
             "Written by `python -m benchmarks.prefix_chat render --doc docs/prefix_caching.md` from "
             "`benchmarks/results/prefix_chat.json`; the runs are `benchmarks/prefix_chat.py`'s (its docstring "
-            "describes both jobs; `scripts/h200.sh prefix spec eagle` runs them on the H200). The designs are in "
+            "describes both jobs; `scripts/h200.sh prefix spec eagle` runs them on the GPU machine). The designs are in "
             "[design.md](design.md#prefix-caching) and [design.md](design.md#speculative-decoding).", ""]
     for label, job in results.items():
         model = ("house-qwen3 (real weights, held-out code)" if job.get("model") == "house"
@@ -357,7 +363,8 @@ def render(results: dict) -> str:
         memory = (f"gpu_memory_utilization {job['gpu_mem']}" if job.get("gpu_mem") is not None and where == "CUDA"
                   else f"{job.get('kv_bytes', 0) / 2**20:.0f} MiB of KV cache")
         mode = "full CUDA graphs for uniform decode batches" if job.get("cuda_graphs") else "eager"
-        rows += [f"## {label}: {where}, {model}, {mode}", ""]
+        device = f" ({job['device']})" if job.get("device", "cpu") != "cpu" else ""
+        rows += [f"## {label}: {where}{device}, {model}, {mode}", ""]
         if where.startswith("CPU"):
             rows += ["On CPU OSCAR runs the PyTorch reference ops (a loop over requests), so its speed there says "
                      "nothing about the Triton kernels; hit rates and acceptance do carry over.", ""]
