@@ -99,7 +99,7 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     return jobs
 
 
-PLANS = {"OSCAR INT2": "k=128x2;v=128x2", "tiers 80 B": "k=48x4,80x2;v=16x4,48x2,64x0",
+PLANS = {"OSCAR INT2": "k=128x2;v=128x2", "tiers 80 B": "k=48x4,80x2;v=48x4,80x0",
          "tiers 72 B": "k=32x4,96x2;v=16x4,32x2,80x0", "big pieces": "k=64x4,64x2;v=64x2,64x0"}
 
 
@@ -112,8 +112,8 @@ def decode_jobs() -> list[tuple]:
     jobs = []
     for name, spec in PLANS.items():
         f = _format(spec)
-        const = dict(HQ=32, GROUP=4, GP=4, KP=triton_decode.row_pieces(f.k.code_bytes),
-                     VP=triton_decode.row_pieces(f.v.code_bytes), K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2,
+        const = dict(HQ=32, GROUP=4, GP=4, KP=triton_decode.row_pieces(f.k.code_bytes, f.k.int4 // 2),
+                     VP=triton_decode.row_pieces(f.v.code_bytes, f.v.int4 // 2), K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2,
                      D=128, KB=128, BLOCK_BYTES=f.block_bytes, SINK=64, WINDOW=256, STATE_BLOCKS=f.state_blocks,
                      ROWS=f.state_rows_per_block, NUM_BF16=-(-320 // lc["bf16_rows"]), BLOCK_N=lc["bf16_rows"],
                      ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"])

@@ -25,7 +25,7 @@ from vllm_kvq.kernels.oscar.triton_store import rotation_parts, store_decode_tok
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INT2, MIXED, ZERO_K = "k=64x2;v=64x2", "k=16x4,48x2;v=16x4,16x2,32x0", "k=48x2,16x0;v=32x4,32x0"
-PLAN_80B, PLAN_72B = "k=48x4,80x2;v=16x4,48x2,64x0", "k=32x4,96x2;v=16x4,32x2,80x0"
+PLAN_80B, PLAN_72B = "k=48x4,80x2;v=48x4,80x0", "k=32x4,96x2;v=16x4,32x2,80x0"
 SMALL = dict(d=64, hkv=2, group=4, tiers=INT2, kb=16, sink=4, window=8)
 REAL = dict(d=128, hkv=8, group=4, tiers="k=128x2;v=128x2", kb=128, sink=64, window=256)
 SHAPES = [SMALL, dict(SMALL, tiers=MIXED), dict(SMALL, tiers=ZERO_K), dict(SMALL, d=128, tiers=PLAN_80B),
