@@ -41,17 +41,49 @@ LOG2E = 1.4426950408889634
 # for wider groups. bf16_rows: state rows per BF16 program (more would set the whole
 # kernel's register count).
 LAUNCH = {"num_warps": 1, "num_stages": 6, "tile": 128, "bf16_rows": 32}
+LIVE_LIMIT = 120
+"""Most registers a thread may give the loop's live tiles (:func:`live_registers`): the
+largest estimate that compiled without spills for sm_90a over OSCAR INT2 and the tier
+plans of ``benchmarks/kernel_sass.py`` (head sizes 64-256, groups 1-16)."""
 
 
-def default_launch(group: int, head_size: int) -> dict:
-    """The launch for ``group`` query heads per KV head of ``head_size``.
+def live_registers(fmt: OscarFormat, group: int, tile: int, num_warps: int) -> float:
+    """32-bit registers a thread holds across the decode loop for its tiles:
+    the key planes' q operands (fp16, loop-invariant), the value planes'
+    accumulators (fp32) and the step's scores (fp32, counted 1.5 times: the
+    probabilities live beside them), with N (tiers x query heads) padded to
+    the tensor cores' 8."""
+    gp = triton.next_power_of_2(group)
+    kn, vn = max(fmt.k.stored * gp, 8), max(fmt.v.stored * gp, 8)
+    k_planes = sum(n * planes for _, n, planes, _ in row_pieces(fmt.k.code_bytes, fmt.k.int4 // 2))
+    v_planes = sum(n * planes for _, n, planes, _ in row_pieces(fmt.v.code_bytes, fmt.v.int4 // 2))
+    return (k_planes * kn / 2 + v_planes * vn + 1.5 * tile * kn) / (32 * num_warps)
+
+
+def default_launch(group: int, head_size: int, fmt: OscarFormat | None = None) -> dict:
+    """The launch for ``group`` query heads per KV head of ``head_size``, in
+    pages of ``fmt`` (OSCAR INT2 if None).
 
     Registers grow with the step's tokens x head size: wider groups halve the
     step, and so does each doubling of the head size past 128, as do the
-    BF16 programs' rows (head size 256 then compiles without spills for sm_90a;
-    sized by registers, not timed)."""
+    BF16 programs' rows. Where the loop's live tiles would still pass
+    :data:`LIVE_LIMIT` registers a thread (wide groups, tier plans with two
+    K tiers, head size 256), warps are doubled until they fit: a spill inside
+    the loop costs more than the second warp's extra instructions (sized by
+    registers for sm_90a, not timed)."""
     wide = max(head_size, 128) // 128
-    return {**LAUNCH, "tile": max((128 if group <= 8 else 64) // wide, 16), "bf16_rows": max(32 // wide, 16)}
+    tile = max((128 if group <= 8 else 64) // wide, 16)
+    if fmt is None:
+        fmt = OscarFormat(head_size=head_size, block_size=128, sink=0, window=0)
+    warps = LAUNCH["num_warps"]
+    while live_registers(fmt, group, tile, warps) > LIVE_LIMIT and warps < 4:
+        warps *= 2
+    launch = {**LAUNCH, "num_warps": warps, "tile": tile, "bf16_rows": max(32 // wide, 16)}
+    if fmt.k.int4 or fmt.v.int4:
+        # left to itself, ptxas trims some plans with INT4 tiers to 168 registers
+        # by spilling a few bytes; OSCAR INT2 keeps its own choice (168, no spill)
+        launch["maxnreg"] = 255
+    return launch
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -638,7 +670,7 @@ def decode_attention(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    lc = {**default_launch(group, d), **(launch or {})}
+    lc = {**default_launch(group, d, fmt), **(launch or {})}
     # a block shorter than the step takes one step a page, masked past its end
     tile = min(lc["tile"], triton.next_power_of_2(fmt.block_size))
     n_bf16 = triton.cdiv(max(fmt.sink + fmt.ring, 1), lc["bf16_rows"])
@@ -655,6 +687,7 @@ def decode_attention(
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
         ROWS=fmt.state_rows_per_block, NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=_compiled(q),
         NSTAGE=lc["num_stages"], TILE=tile, Q=query_len, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        **({"maxnreg": lc["maxnreg"]} if lc.get("maxnreg") else {}),
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)
     return out
