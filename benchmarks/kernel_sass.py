@@ -83,7 +83,8 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3, ma
         if b and int(b.group(1), 16) < at:
             body = [t for a, t in ins if int(b.group(1), 16) <= a <= at]
             ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for t in body)
-            loops.append({"instructions": len(body), "top": dict(ops.most_common(8))})
+            loops.append({"instructions": len(body), "top": dict(ops.most_common(8)),
+                          "local_memory_ops": ops["STL"] + ops["LDL"]})  # spill traffic inside the loop
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for _, t in ins)
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0,
             "sass": len(ins), "top": dict(ops.most_common(10)), "loops": loops}
@@ -241,10 +242,12 @@ def main() -> None:
         print(f"{name}: {ratio:.3f}x OSCAR INT2's instructions ({'a decode trip' if 'decode' in name else 'the store'})")
     if "launches" in args.kernels:
         checked = [n for n in report["kernels"] if n.startswith("oscar decode")]
-        report["launch_spills"] = {n: report["kernels"][n]["spill_bytes"] for n in checked
-                                   if report["kernels"][n]["spill_bytes"]}
+        report["launch_spills"] = {n: {"bytes": r["spill_bytes"],
+                                       "in_loops": sum(lp["local_memory_ops"] for lp in r["loops"])}
+                                   for n, r in report["kernels"].items() if n in checked and r["spill_bytes"]}
         print(f"decode at its default launch: {len(report['launch_spills'])} of {len(checked)} shapes spill"
-              + "".join(f"\n    {n}: {b} B" for n, b in report["launch_spills"].items()))
+              + "".join(f"\n    {n}: {v['bytes']} B, {v['in_loops']} local loads/stores in its loops"
+                        for n, v in report["launch_spills"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
