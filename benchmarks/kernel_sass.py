@@ -4,12 +4,16 @@ H200 (sm_90a), compiled here without a GPU.
 Device time is scarce; what a kernel costs per element can be read before it
 runs: Triton compiles for an explicit target, and its wheel carries ``ptxas``
 and ``cuobjdump``. Each kernel is compiled at its serving shape (K = V = 128
-state heads; OSCAR's default format, 4 query heads per KV head) with the
+state heads; OSCAR's formats at 4 and 12 query heads per KV head) with the
 specialisations a real launch gets (16-byte aligned pointers and strides);
 the report gives registers, spill bytes, the static SASS count, and the
-instructions of each loop body (one trip).
+instructions of each loop body (one trip). Its JSON adds each tier plan's
+instructions against OSCAR INT2's (``ratio_to_int2``: a decode trip, the
+store per element) and, with ``launches``, the decode kernel at its default
+launch over every plan kind, head size 64 / 128 / 256 and group up to 16,
+listing any shape that spills (``launch_spills``; printed only if one does).
 
-    python -m benchmarks.kernel_sass [--kernels foreground writeback decode store] [--bits 6 4] [--json PATH]
+    python -m benchmarks.kernel_sass [--kernels foreground writeback decode store launches] [--bits 6 4] [--json PATH]
 
 The counts depend on the Triton version: the test extra pins the GPU
 machine's (3.6).
@@ -50,12 +54,13 @@ ALIGNED = {"slot_stride", "sqn", "skn", "svn", "stride_qb", "stride_qh", "bt_str
            "stride_vt", "stride_vh"}
 
 
-def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3) -> dict:
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3, maxnreg: int | None = None) -> dict:
     names = list(inspect.signature(fn.fn).parameters)
     sig = {p: ("constexpr" if p in constexprs else POINTERS.get(p, "fp32" if p in FLOATS else "i32")) for p in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(names) if sig[p].startswith("*") or p in ALIGNED}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages,
+                                **({"maxnreg": maxnreg} if maxnreg else {})})
     with tempfile.TemporaryDirectory() as d:
         ptx, cubin = os.path.join(d, "k.ptx"), os.path.join(d, "k.cubin")
         with open(ptx, "w") as f:
@@ -78,7 +83,8 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3) ->
         if b and int(b.group(1), 16) < at:
             body = [t for a, t in ins if int(b.group(1), 16) <= a <= at]
             ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for t in body)
-            loops.append({"instructions": len(body), "top": dict(ops.most_common(8))})
+            loops.append({"instructions": len(body), "top": dict(ops.most_common(8)),
+                          "local_memory_ops": ops["STL"] + ops["LDL"]})  # spill traffic inside the loop
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for _, t in ins)
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0,
             "sass": len(ins), "top": dict(ops.most_common(10)), "loops": loops}
@@ -99,28 +105,83 @@ def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
     return jobs
 
 
-PLANS = {"OSCAR INT2": "k=128x2;v=128x2", "tiers 80 B": "k=48x4,80x2;v=16x4,48x2,64x0",
+PLANS = {"OSCAR INT2": "k=128x2;v=128x2", "tiers 80 B": "k=48x4,80x2;v=48x4,80x0",
          "tiers 72 B": "k=32x4,96x2;v=16x4,32x2,80x0", "big pieces": "k=64x4,64x2;v=64x2,64x0"}
+"""The formats compiled at head size 128: OSCAR INT2, the default tier plan (80 B a
+token and head), the 72-byte plan, and a plan of whole 32-byte INT4 and INT2 runs."""
+HEAD_PLANS = {
+    64: {"OSCAR INT2": "k=64x2;v=64x2", "tiers 80 B": "k=16x4,48x2;v=16x4,48x0",
+         "tiers 72 B": "k=16x4,48x2;v=16x4,16x2,32x0", "big pieces": "k=32x4,32x2;v=32x2,32x0"},
+    128: PLANS,
+    256: {"OSCAR INT2": "k=256x2;v=256x2", "tiers 80 B": "k=96x4,160x2;v=96x4,160x0",
+          "tiers 72 B": "k=64x4,192x2;v=32x4,64x2,160x0", "big pieces": "k=128x4,128x2;v=128x2,128x0"},
+}
+"""The same kinds of plan at the other head sizes the launch check covers."""
+TIERED = ("tiers 80 B", "tiers 72 B")
+"""The plans whose instructions a trip the report compares with OSCAR INT2's."""
 
 
-def _format(spec: str) -> OscarFormat:
-    return OscarFormat(head_size=128, block_size=128, sink=64, window=256, tiers=LayerTiers.parse(spec))
+def _format(spec: str, head_size: int = 128) -> OscarFormat:
+    return OscarFormat(head_size=head_size, block_size=128, sink=64, window=256, tiers=LayerTiers.parse(spec))
+
+
+def decode_job(name: str, spec: str, group: int, head_size: int = 128, kv_heads: int = 8) -> tuple:
+    """The decode kernel at its default launch for ``group`` query heads per
+    KV head; a loop trip is one TILE-token slice: its K and V codes per thread."""
+    f = _format(spec, head_size)
+    lc = triton_decode.default_launch(group, head_size, f)
+    n_bf16 = -(-(f.sink + f.window) // lc["bf16_rows"])
+    const = dict(HQ=kv_heads * group, GROUP=group, GP=triton.next_power_of_2(group),
+                 KP=triton_decode.row_pieces(f.k.code_bytes, f.k.int4 // 2),
+                 VP=triton_decode.row_pieces(f.v.code_bytes, f.v.int4 // 2), K4=f.k.int4, K2=f.k.int2,
+                 V4=f.v.int4, V2=f.v.int2, D=head_size, KB=f.block_size, BLOCK_BYTES=f.block_bytes, SINK=f.sink,
+                 WINDOW=f.window, RING=f.ring, STATE_BLOCKS=f.state_blocks, ROWS=f.state_rows_per_block,
+                 NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"], Q=1,
+                 MAXNREG=lc.get("maxnreg"))
+    return (f"oscar decode, {name}, D {head_size}, group {group}", triton_decode._decode_kernel, const,
+            lc["num_warps"], 2 * lc["tile"] * head_size // (32 * lc["num_warps"]))
 
 
 def decode_jobs() -> list[tuple]:
-    lc = triton_decode.default_launch(4, 128)
-    jobs = []
-    for name, spec in PLANS.items():
-        f = _format(spec)
-        const = dict(HQ=32, GROUP=4, GP=4, KP=triton_decode.row_pieces(f.k.code_bytes),
-                     VP=triton_decode.row_pieces(f.v.code_bytes), K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2,
-                     D=128, KB=128, BLOCK_BYTES=f.block_bytes, SINK=64, WINDOW=256, STATE_BLOCKS=f.state_blocks,
-                     ROWS=f.state_rows_per_block, NUM_BF16=-(-320 // lc["bf16_rows"]), BLOCK_N=lc["bf16_rows"],
-                     ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"])
-        # a loop trip is one TILE-token slice: its K and V codes per thread
-        jobs.append((f"oscar decode, {name} (Qwen3-4B shape)", triton_decode._decode_kernel, const,
-                     lc["num_warps"], 2 * lc["tile"] * 128 // (32 * lc["num_warps"])))
-    return jobs
+    """Qwen3-4B's shape (32 query / 8 KV heads) and a 12-wide group (96 / 8), head size 128."""
+    return [decode_job(name, spec, group) for group in (4, 12) for name, spec in PLANS.items()]
+
+
+def launch_jobs() -> list[tuple]:
+    """The decode kernel at its default launch for every plan kind, head size
+    64 / 128 / 256 and group up to 16 (groups of 9-16 share one 16-wide tile):
+    the report's ``launch_spills`` lists any that spill."""
+    return [decode_job(name, spec, group, d) for d, plans in HEAD_PLANS.items() for group in (1, 2, 4, 8, 16)
+            for name, spec in plans.items()]
+
+
+def trip(r: dict) -> int:
+    """Instructions of one trip of the decode loop that runs most: the inner
+    steps (between the two masked edge loops)."""
+    return r["loops"][len(r["loops"]) // 2]["instructions"]
+
+
+def ratios(kernels: dict) -> dict:
+    """Each tiered plan's instructions against OSCAR INT2's at the same job:
+    decode per loop trip, store per element with 7 clip rounds."""
+    out = {}
+    for name, r in kernels.items():
+        for plan in TIERED:
+            if plan not in name or not r["loops"]:
+                continue
+            base = kernels.get(name.replace(plan, "OSCAR INT2"))
+            if not base or not base["loops"]:
+                continue
+            if name.startswith("oscar decode"):
+                out[name] = round(trip(r) / trip(base), 3)
+            else:
+                out[name] = round(typical_store(r) / typical_store(base), 3)
+    return out
+
+
+def typical_store(r: dict) -> int:
+    """The store's instructions a thread: straight-line code plus 6 more clip rounds."""
+    return r["sass"] + 6 * r["loops"][0]["instructions"]
 
 
 def store_jobs() -> list[tuple]:
@@ -143,8 +204,8 @@ def store_jobs() -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", nargs="*", default=["foreground", "writeback", "decode", "store"],
-                    choices=["foreground", "writeback", "decode", "store"])
+    ap.add_argument("--kernels", nargs="*", default=["foreground", "writeback", "decode", "store", "launches"],
+                    choices=["foreground", "writeback", "decode", "store", "launches"])
     ap.add_argument("--bits", nargs="*", type=int, default=[6, 4])
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -153,23 +214,40 @@ def main() -> None:
         jobs += decode_jobs()
     if "store" in args.kernels:
         jobs += store_jobs()
+    quiet = set()
+    if "launches" in args.kernels:  # printed only where they spill
+        quiet = {job[0] for job in launch_jobs()} - {job[0] for job in jobs}
+        jobs += [job for job in launch_jobs() if job[0] in quiet]
     report = {"triton": triton.__version__, "target": "sm_90a", "kernels": {}}
     print(f"Triton {triton.__version__}, sm_90a")
     for name, fn, const, warps, per_thread in jobs:
-        r = compile_kernel(fn, const, warps, const.get("NSTAGE", 3))
+        const = dict(const)
+        r = compile_kernel(fn, const, warps, const.get("NSTAGE", 3), const.pop("MAXNREG", None))
         r["num_warps"], r["elements_per_thread"] = warps, per_thread
         report["kernels"][name] = r
+        if name in quiet and not r["spill_bytes"]:
+            continue
         if r["loops"]:  # per trip: one column tile (writeback), one TILE slice (decode)
             work = "; ".join(f"loop of {lp['instructions']} ({lp['instructions'] / per_thread:.1f} an element)"
                              for lp in r["loops"])
-            if name.startswith("oscar store"):  # straight-line code plus 6 more clip rounds
-                typical = r["sass"] + 6 * r["loops"][0]["instructions"]
-                work += f"; {typical / per_thread:.1f} an element with 7 clip rounds"
+            if name.startswith("oscar store"):
+                work += f"; {typical_store(r) / per_thread:.1f} an element with 7 clip rounds"
         else:
             work = f"{r['sass'] / per_thread:.0f} an element"
         print(f"{name}: {r['registers']} registers, {r['spill_bytes']} B spilled, {r['sass']} SASS; {work};"
               f" {per_thread} elements a thread (a trip)")
         print(f"    {r['top']}")
+    report["ratio_to_int2"] = ratios(report["kernels"])
+    for name, ratio in report["ratio_to_int2"].items():
+        print(f"{name}: {ratio:.3f}x OSCAR INT2's instructions ({'a decode trip' if 'decode' in name else 'the store'})")
+    if "launches" in args.kernels:
+        checked = [n for n in report["kernels"] if n.startswith("oscar decode")]
+        report["launch_spills"] = {n: {"bytes": r["spill_bytes"],
+                                       "in_loops": sum(lp["local_memory_ops"] for lp in r["loops"])}
+                                   for n, r in report["kernels"].items() if n in checked and r["spill_bytes"]}
+        print(f"decode at its default launch: {len(report['launch_spills'])} of {len(checked)} shapes spill"
+              + "".join(f"\n    {n}: {v['bytes']} B, {v['in_loops']} local loads/stores in its loops"
+                        for n, v in report["launch_spills"].items()))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

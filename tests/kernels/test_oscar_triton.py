@@ -8,7 +8,10 @@ run compiled, and ``OSCAR_REAL_SHAPES=1`` adds the serving shapes (D = 128,
 block 128, sink 64, window 256).
 """
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from vllm_kvq.kernels.oscar import reference as ref  # noqa: E402
 from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat  # noqa: E402
@@ -25,7 +28,7 @@ from vllm_kvq.kernels.oscar.triton_store import rotation_parts, store_decode_tok
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 INT2, MIXED, ZERO_K = "k=64x2;v=64x2", "k=16x4,48x2;v=16x4,16x2,32x0", "k=48x2,16x0;v=32x4,32x0"
-PLAN_80B, PLAN_72B = "k=48x4,80x2;v=16x4,48x2,64x0", "k=32x4,96x2;v=16x4,32x2,80x0"
+PLAN_80B, PLAN_72B = "k=48x4,80x2;v=48x4,80x0", "k=32x4,96x2;v=16x4,32x2,80x0"
 SMALL = dict(d=64, hkv=2, group=4, tiers=INT2, kb=16, sink=4, window=8)
 REAL = dict(d=128, hkv=8, group=4, tiers="k=128x2;v=128x2", kb=128, sink=64, window=256)
 SHAPES = [SMALL, dict(SMALL, tiers=MIXED), dict(SMALL, tiers=ZERO_K), dict(SMALL, d=128, tiers=PLAN_80B),
@@ -530,3 +533,34 @@ def test_multi_token_decode_needs_the_ring():
         decode_attention(q, torch.zeros(8, SMALL["hkv"], fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8),
                          fmt, torch.zeros(2, 8, dtype=torch.int32), torch.tensor([5, 5], dtype=torch.int32), 1.0, 1,
                          torch.empty_like(q), query_len=2)
+
+
+SPILL_CHECK = """
+import json, sys
+from benchmarks.kernel_sass import HEAD_PLANS, compile_kernel, decode_job
+spills = {}
+for d, name in [(64, "tiers 80 B"), (128, "tiers 80 B"), (256, "tiers 80 B"), (128, "tiers 72 B"), (128, "OSCAR INT2")]:
+    label, fn, const, warps, _ = decode_job(name, HEAD_PLANS[d][name], 16, d)
+    const = dict(const)
+    maxnreg = const.pop("MAXNREG")
+    spills[label] = compile_kernel(fn, const, warps, const["NSTAGE"], maxnreg)["spill_bytes"]
+print(json.dumps(spills))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                                                    "ptxas")), reason="Triton's bundled ptxas is missing")
+def test_decode_default_launch_does_not_spill():
+    """The decode kernel at its default launch, compiled for sm_90a (no GPU
+    needed), spills no register at the widest group (16 query heads a KV
+    head) for the default tier plan at head sizes 64-256, the 72-byte plan
+    and OSCAR INT2: a spill inside the loop costs several times the kernel's
+    time. Compiled in a process of its own: this module runs Triton's
+    interpreter."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run([sys.executable, "-c", SPILL_CHECK], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-2000:]
+    spills = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(spills) == 5 and not any(spills.values()), spills

@@ -41,17 +41,49 @@ LOG2E = 1.4426950408889634
 # for wider groups. bf16_rows: state rows per BF16 program (more would set the whole
 # kernel's register count).
 LAUNCH = {"num_warps": 1, "num_stages": 6, "tile": 128, "bf16_rows": 32}
+LIVE_LIMIT = 120
+"""Most registers a thread may give the loop's live tiles (:func:`live_registers`): the
+largest estimate that compiled without spills for sm_90a over OSCAR INT2 and the tier
+plans of ``benchmarks/kernel_sass.py`` (head sizes 64-256, groups 1-16)."""
 
 
-def default_launch(group: int, head_size: int) -> dict:
-    """The launch for ``group`` query heads per KV head of ``head_size``.
+def live_registers(fmt: OscarFormat, group: int, tile: int, num_warps: int) -> float:
+    """32-bit registers a thread holds across the decode loop for its tiles:
+    the key planes' q operands (fp16, loop-invariant), the value planes'
+    accumulators (fp32) and the step's scores (fp32, counted 1.5 times: the
+    probabilities live beside them), with N (tiers x query heads) padded to
+    the tensor cores' 8."""
+    gp = triton.next_power_of_2(group)
+    kn, vn = max(fmt.k.stored * gp, 8), max(fmt.v.stored * gp, 8)
+    k_planes = sum(n * planes for _, n, planes, _ in row_pieces(fmt.k.code_bytes, fmt.k.int4 // 2))
+    v_planes = sum(n * planes for _, n, planes, _ in row_pieces(fmt.v.code_bytes, fmt.v.int4 // 2))
+    return (k_planes * kn / 2 + v_planes * vn + 1.5 * tile * kn) / (32 * num_warps)
+
+
+def default_launch(group: int, head_size: int, fmt: OscarFormat | None = None) -> dict:
+    """The launch for ``group`` query heads per KV head of ``head_size``, in
+    pages of ``fmt`` (OSCAR INT2 if None).
 
     Registers grow with the step's tokens x head size: wider groups halve the
     step, and so does each doubling of the head size past 128, as do the
-    BF16 programs' rows (head size 256 then compiles without spills for sm_90a;
-    sized by registers, not timed)."""
+    BF16 programs' rows. Where the loop's live tiles would still pass
+    :data:`LIVE_LIMIT` registers a thread (wide groups, tier plans with two
+    K tiers, head size 256), warps are doubled until they fit: a spill inside
+    the loop costs more than the second warp's extra instructions (sized by
+    registers for sm_90a, not timed)."""
     wide = max(head_size, 128) // 128
-    return {**LAUNCH, "tile": max((128 if group <= 8 else 64) // wide, 16), "bf16_rows": max(32 // wide, 16)}
+    tile = max((128 if group <= 8 else 64) // wide, 16)
+    if fmt is None:
+        fmt = OscarFormat(head_size=head_size, block_size=128, sink=0, window=0)
+    warps = LAUNCH["num_warps"]
+    while live_registers(fmt, group, tile, warps) > LIVE_LIMIT and warps < 4:
+        warps *= 2
+    launch = {**LAUNCH, "num_warps": warps, "tile": tile, "bf16_rows": max(32 // wide, 16)}
+    if fmt.k.int4 or fmt.v.int4:
+        # left to itself, ptxas trims some plans with INT4 tiers to 168 registers
+        # by spilling a few bytes; OSCAR INT2 keeps its own choice (168, no spill)
+        launch["maxnreg"] = 255
+    return launch
 
 
 def _compiled(x: torch.Tensor) -> bool:
@@ -59,15 +91,23 @@ def _compiled(x: torch.Tensor) -> bool:
     return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
 
 
-def row_pieces(code_bytes: int) -> tuple:
+def row_pieces(code_bytes: int, int4_bytes: int = 0) -> tuple:
     """A row's code bytes, rounded up to a multiple of 16, as power-of-two
-    runs ``(first byte, bytes)``, largest first (44 bytes: 32 + 16, the last
-    4 masked): each run is one tile of codes and four tensor-core passes."""
-    out, at, total = [], 0, -(-code_bytes // 16) * 16
-    while at < total:
-        n = 1 << ((total - at).bit_length() - 1)
-        out.append((at, n))
-        at += n
+    runs ``(first byte, bytes, planes, first plane)``, largest first; each
+    run is one tile of codes and one tensor-core pass a plane. A run of INT4
+    bytes only unpacks as two nibble planes, a run holding INT2 codes as four
+    crumbs (:func:`_planes`): so the INT4 bytes' whole 16-byte runs (all of
+    them where the row holds no INT2 code) come first, on their own (K 48x4
+    + 80x2, 44 bytes: 16 in nibbles, then 32 in crumbs, the last 4 masked)."""
+    total = -(-code_bytes // 16) * 16
+    nibbles = total if int4_bytes >= code_bytes else int4_bytes // 16 * 16
+    out, plane = [], 0
+    for at, end, planes in ((0, nibbles, 2), (nibbles, total, 4)):
+        while at < end:
+            n = 1 << ((end - at).bit_length() - 1)
+            out.append((at, n, planes, plane))
+            at += n
+            plane += planes
     return tuple(out)
 
 
@@ -95,26 +135,38 @@ def _crumb(codes, J: tl.constexpr):
 
 
 @triton.jit
-def _crumbs(codes, ASM: tl.constexpr):
-    """The four crumbs of a tile of code bytes. Compiled, without spreading
-    bytes to 16-bit lanes: a word's bytes 0 and 2 already sit in the low bits
-    of its two lanes, and so do bytes 1 and 3 of the word shifted by 8. So
-    each crumb's first register holds bytes (0, 2), its second (1, 3):
-    elements 1 and 2 of every four trade places, which the caller undoes on
-    the other operand (:func:`_swap12`). One shift per word, one AND per two
-    codes."""
+def _planes(codes, P: tl.constexpr, ASM: tl.constexpr):
+    """The P planes of a tile of code bytes: four crumbs (bits 2j, 2j+1 of
+    each byte, :func:`_crumb`), or for INT4 bytes two nibbles (bits 0-3 and
+    4-7, read the same way: crumbs 0 + 1 and 2 + 3 of the byte at once).
+    Compiled, without spreading bytes to 16-bit lanes: a word's bytes 0 and
+    2 already sit in the low bits of its two lanes, and so do bytes 1 and 3
+    of the word shifted by 8. So each plane's first register holds bytes (0,
+    2), its second (1, 3): elements 1 and 2 of every four trade places,
+    which the caller undoes on the other operand (:func:`_swap12`). One
+    shift per word, one AND per two codes and plane."""
     if ASM:
-        out = tl.inline_asm_elementwise(
-            "{ .reg .b32 h; shr.b32 h, $8, 8; "
-            "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
-            "and.b32 $2, $8, 0x000c000c; and.b32 $3, h, 0x000c000c; "
-            "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
-            "and.b32 $6, $8, 0x00c000c0; and.b32 $7, h, 0x00c000c0; }",
-            "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
-            dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        if P == 4:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 h; shr.b32 h, $8, 8; "
+                "and.b32 $0, $8, 0x00030003; and.b32 $1, h, 0x00030003; "
+                "and.b32 $2, $8, 0x000c000c; and.b32 $3, h, 0x000c000c; "
+                "and.b32 $4, $8, 0x00300030; and.b32 $5, h, 0x00300030; "
+                "and.b32 $6, $8, 0x00c000c0; and.b32 $7, h, 0x00c000c0; }",
+                "=r,=r,=r,=r,=r,=r,=r,=r,r", [codes],
+                dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 h; shr.b32 h, $4, 8; "
+                "and.b32 $0, $4, 0x000f000f; and.b32 $1, h, 0x000f000f; "
+                "and.b32 $2, $4, 0x00f000f0; and.b32 $3, h, 0x00f000f0; }",
+                "=r,=r,=r,=r,r", [codes], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
     else:
         c = codes.to(tl.int16)
-        out = (_crumb(c, 0), _crumb(c, 1), _crumb(c, 2), _crumb(c, 3))
+        if P == 4:
+            out = (_crumb(c, 0), _crumb(c, 1), _crumb(c, 2), _crumb(c, 3))
+        else:
+            out = ((c & 0x0F).to(tl.float16, bitcast=True), (c & 0xF0).to(tl.float16, bitcast=True))
     return out
 
 
@@ -132,7 +184,8 @@ def _crumb_map(byte, J: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr):
     """For crumb J of code bytes ``byte``: (element of the row, its power of
     two to divide out, its tier, whether the byte holds codes). Bytes below
     W4/2 are INT4 (crumbs 0, 1: the low nibble's element; 2, 3: the high
-    nibble's, a sixteenth), then W2/4 INT2 bytes (crumb j: one element)."""
+    nibble's, a sixteenth; a nibble plane is crumb 0 or 2), then W2/4 INT2
+    bytes (crumb j: one element)."""
     NB4: tl.constexpr = W4 // 2
     NB2: tl.constexpr = W2 // 4
     if W4 == 0:
@@ -275,9 +328,9 @@ def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8,
             codes = tl.load(at, mask=inside[:, None] & (c < KC)[None, :], other=0)
         else:
             codes = tl.load(at)
-        crumbs = _crumbs(codes, ASM)
-        for j in tl.static_range(4):
-            acc = tl.dot(crumbs[j], qops[4 * i + j], acc)
+        planes = _planes(codes, KP[i][2], ASM)
+        for j in tl.static_range(tl.constexpr(KP[i][2])):
+            acc = tl.dot(planes[j], qops[KP[i][3] + j], acc)
     acc_a, acc_b = _deinterleave(acc, NK, GP)
     s = ks_a[:, None] * acc_a + km_a[:, None] * qs_a[None, :]
     if NK == 2:
@@ -326,9 +379,9 @@ def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8,
             codes = tl.load(at, mask=(b < VC)[:, None] & (r0 + t < KB)[None, :], other=0)
         else:
             codes = tl.load(at)
-        crumbs = _crumbs(codes, ASM)
-        for j in tl.static_range(4):
-            new = new + (tl.dot(crumbs[j], pv, vacc[4 * i + j] * alpha_v),)
+        planes = _planes(codes, VP[i][2], ASM)
+        for j in tl.static_range(tl.constexpr(VP[i][2])):
+            new = new + (tl.dot(planes[j], pv, vacc[VP[i][3] + j] * alpha_v),)
     return m_new, l_i, mins_a, mins_b, new
 
 
@@ -380,8 +433,9 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H
     SUB: tl.constexpr = (KB + TILE - 1) // TILE  # steps per page
     qops = ()
     for i in tl.static_range(len(KP)):
-        for j in tl.static_range(4):
-            qops = qops + (_query_plane(q_base, qmask, q_scale, KP[i][0], KP[i][1], j, K4, K2, NK, ASM),)
+        for j in tl.static_range(tl.constexpr(KP[i][2])):
+            qops = qops + (_query_plane(q_base, qmask, q_scale, KP[i][0], KP[i][1], j * (4 // KP[i][2]), K4, K2,
+                                        NK, ASM),)
     qs_a, qs_b = _tier_sums(q_base, qmask, q_scale, D, K4, K2)
 
     lo = SINK
@@ -407,7 +461,7 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H
     mins_b = tl.zeros([GP], tl.float32)
     vacc = ()
     for i in tl.static_range(len(VP)):
-        for j in tl.static_range(4):
+        for j in tl.static_range(tl.constexpr(VP[i][2])):
             vacc = vacc + (_zeros(VP[i][1], NV * GP),)
     for step in tl.range(step_lo, inner_lo, num_stages=2):
         m_i, l_i, mins_a, mins_b, vacc = _step(
@@ -431,13 +485,14 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H
     for i in tl.static_range(len(VP)):
         byte = VP[i][0] + tl.arange(0, tl.constexpr(VP[i][1]))
         is4 = (byte < V4 // 2)[:, None]
-        for j in tl.static_range(4):
-            a = vacc[4 * i + j]
-            if V4 > 0 and j % 2 == 0:  # an INT4 nibble is this crumb and the next
-                a = tl.where(is4, a + vacc[4 * i + j + 1], a)
+        for j in tl.static_range(tl.constexpr(VP[i][2])):
+            a = vacc[VP[i][3] + j]
+            if V4 > 0 and VP[i][2] == 4 and j % 2 == 0:  # an INT4 nibble is this crumb and the next
+                a = tl.where(is4, a + vacc[VP[i][3] + j + 1], a)
             a_a, a_b = _deinterleave(a, NV, GP)
-            elem, div, tier, ok = _crumb_map(byte, j, V4, V2)
-            if V4 > 0 and j % 2 == 1:
+            # plane j is crumb j, or of nibbles crumb 2j
+            elem, div, tier, ok = _crumb_map(byte, j * (4 // VP[i][2]), V4, V2)
+            if V4 > 0 and VP[i][2] == 4 and j % 2 == 1:
                 ok = ok & (byte >= V4 // 2)
             if NV == 2:
                 a = tl.where((tier == 0)[:, None], a_a, a_b)
@@ -615,7 +670,7 @@ def decode_attention(
         return out
     if q.stride(2) != 1:
         q = q.contiguous()
-    lc = {**default_launch(group, d), **(launch or {})}
+    lc = {**default_launch(group, d, fmt), **(launch or {})}
     # a block shorter than the step takes one step a page, masked past its end
     tile = min(lc["tile"], triton.next_power_of_2(fmt.block_size))
     n_bf16 = triton.cdiv(max(fmt.sink + fmt.ring, 1), lc["bf16_rows"])
@@ -627,11 +682,12 @@ def decode_attention(
         kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
         fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device), o_part, lse_part,
         scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
-        KP=row_pieces(fmt.k.code_bytes), VP=row_pieces(fmt.v.code_bytes), K4=fmt.k.int4, K2=fmt.k.int2,
+        KP=row_pieces(fmt.k.code_bytes, fmt.k.int4 // 2), VP=row_pieces(fmt.v.code_bytes, fmt.v.int4 // 2), K4=fmt.k.int4, K2=fmt.k.int2,
         V4=fmt.v.int4, V2=fmt.v.int2, D=d, KB=fmt.block_size, BLOCK_BYTES=fmt.block_bytes,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
         ROWS=fmt.state_rows_per_block, NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=_compiled(q),
         NSTAGE=lc["num_stages"], TILE=tile, Q=query_len, num_warps=lc["num_warps"], num_stages=lc["num_stages"],
+        **({"maxnreg": lc["maxnreg"]} if lc.get("maxnreg") else {}),
     )
     _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), parts, HQ=hq, D=d, CHUNK=16)
     return out

@@ -111,6 +111,15 @@ def _ge(q, h, ASM: tl.constexpr):
 
 
 @triton.jit
+def _floor_int(x, ASM: tl.constexpr):
+    """floor(x) as int32 (one F2I rounding down, compiled)."""
+    if ASM:
+        return tl.inline_asm_elementwise("cvt.rmi.s32.f32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    return tl.floor(x).to(tl.int32)
+
+
+@triton.jit
 def _tier_slots(START: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, P: tl.constexpr):
     """Element (from the row's start) and validity of each (byte, plane) slot
     of a tier of NB code bytes and P planes, as ``[NBP, P]``."""
@@ -161,7 +170,7 @@ def _quantize(bits, valid, lo, hi, LEVELS: tl.constexpr, ASM: tl.constexpr):
         code = -(_ge(q, 0.4999999701976776, ASM) + _ge(q, 1.5, ASM) + _ge(q, 2.5, ASM))
         shift = 2 * tl.arange(0, 4)
     else:
-        code = tl.minimum(tl.maximum(tl.floor(q + 0.5), 0.0), LEVELS * 1.0).to(tl.int32)
+        code = tl.minimum(tl.maximum(_floor_int(q + 0.5, ASM), 0), LEVELS)
         shift = 4 * tl.arange(0, 2)
     code = tl.where(valid, code, 0)
     return tl.sum(code << shift[None, None, :], axis=2), pair
