@@ -160,5 +160,5 @@ if [[ $steps == *" eagle "* ]]; then
   prefix_chat eagle 560 --jobs eagle --timeout-s 250
 fi
 if [[ $steps == *" spec-graphs "* ]]; then
-  prefix_chat spec-graphs 560 --jobs spec --cuda-graphs --label h200-graphs --timeout-s 135
+  prefix_chat spec-graphs 560 --jobs spec --cuda-graphs --label gpu-graphs --timeout-s 135
 fi
