@@ -56,6 +56,9 @@ def tiered_artifact(model: Path) -> str:
 
     plans = list(json.loads((PLANS / "manifest.json").read_text())["tiers"].values())
     art = builtin_artifact(model_fingerprint(AutoConfig.from_pretrained(model)), "hadamard")
+    art.granularity = "kv_head"  # tiers live in each KV head's basis: the Hadamard rotation, once per head
+    for rot in (art.k_rotation, art.v_rotation):
+        rot.update({layer: r.expand(art.num_kv_heads, *r.shape).clone() for layer, r in rot.items()})
     art.tiers = {layer: LayerTiers.from_json(plans[i % len(plans)], str(PLANS))
                  for i, layer in enumerate(art.layers)}
     art.fill = {kind: {layer: torch.zeros(art.num_kv_heads, getattr(art.tiers[layer], kind).zero)

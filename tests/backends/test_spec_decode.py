@@ -194,6 +194,30 @@ def test_eagle3_rejected_drafts_leave_the_tokens(tmp_path, greedy, engines):
     assert [o.outputs[0].token_ids for o in eagle3] == [o.outputs[0].token_ids for o in plain]
 
 
+def test_triton_kernels_with_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
+    """EAGLE-3's BF16 draft layer shares the block pool, so vLLM pads every
+    OSCAR block to the BF16 page size: the Triton kernels (the interpreter
+    here) must address blocks by the pages' stride. Greedy tokens equal the
+    reference ops' without speculation (fp32, the random head's drafts all
+    rejected)."""
+    pytest.importorskip("triton")
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
+    prompts = ["def add(a, b):\n    return a + b\n\n" * 3 + "def add3(a, b, c):", "x = [1, 2, 3]\ny = ["]
+    kvq = {**KVQ, "sink": 8, "window": 16}
+    engine = dict(ENGINE, max_model_len=256, max_num_seqs=2)
+    spec = {"method": "eagle3", "model": _eagle3_head(tmp_path), "num_speculative_tokens": DRAFTS}
+    outs = {}
+    for kernels, extra in (("reference", {}), ("triton", {"speculative_config": spec})):
+        llm = make_llm(oscar={**kvq, "kernels": kernels}, **engine, **extra)
+        try:
+            outs[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+            drafted = _spec_counts(llm)[0] if extra else None
+        finally:
+            shutdown(llm)
+    assert drafted >= DRAFTS * 8
+    assert outs["triton"] == outs["reference"]
+
+
 def test_oscar_draft_layers_are_refused(tmp_path):
     """A draft model's layers have no rotations in the artifact: asking for
     OSCAR there fails at start and names the fix."""

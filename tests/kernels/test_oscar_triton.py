@@ -81,6 +81,22 @@ def _block_table(fmt, lengths, gen):
     return table, int(perm.max()) + 1
 
 
+PAD_BYTE = 0xA5
+_padded_blocks = []  # (raw blocks, bytes in use) of every padded cache made, for their padding's check
+
+
+def _pages(nblocks, h, fmt, padded=False):
+    """A layer's zeroed pages; ``padded``: each block spaced as a BF16 page of
+    the same heads (vLLM's layout when a draft model's BF16 layers share the
+    pool), the bytes between blocks set to PAD_BYTE."""
+    used = h * fmt.block_bytes
+    if not padded:
+        return torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    raw = torch.full((nblocks, h * fmt.block_size * 4 * fmt.head_size), PAD_BYTE, dtype=torch.uint8, device=DEV)
+    _padded_blocks.append((raw, used))
+    return raw[:, :used].zero_().view(nblocks, h, fmt.block_size, fmt.bytes_per_token)
+
+
 def _random_rotation(h, d, gen):
     q, _ = torch.linalg.qr(torch.randn(h, d, d, generator=gen, dtype=torch.float64))
     return q.float()
@@ -88,7 +104,7 @@ def _random_rotation(h, d, gen):
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
 @pytest.mark.parametrize("rotate", [False, True])
-def test_store_matches_reference(shape, rotate):
+def test_store_matches_reference(shape, rotate, padded=False):
     """A batch of chunks from three requests (prefill, middle chunk, decode)."""
     gen = torch.Generator().manual_seed(0)
     fmt = _fmt(shape)
@@ -100,7 +116,7 @@ def test_store_matches_reference(shape, rotate):
     v = torch.randn(k.shape, generator=gen).to(torch.bfloat16)
     rot = _random_rotation(h, d, gen) if rotate else None
 
-    got = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    got = _pages(nblocks, h, fmt, padded)
     ints = lambda x: torch.tensor(x, dtype=torch.int32, device=DEV)  # noqa: E731
     pos = [p for ctx, t in steps for p in range(ctx, ctx + t)]
     req = [i for i, (_, t) in enumerate(steps) for _ in range(t)]
@@ -213,7 +229,7 @@ def test_store_keys_not_bf16(dtype):
 @pytest.mark.parametrize("shape", DECODE_SHAPES, ids=lambda s: f"{_id(s)}-group{s['group']}-W{s['window']}")
 @pytest.mark.parametrize("splits", [1, 3])
 @pytest.mark.parametrize("launch", DECODE_LAUNCHES)
-def test_decode_matches_reference(shape, splits, launch):
+def test_decode_matches_reference(shape, splits, launch, padded=False):
     """Requests shorter than, equal to and far beyond sink + window, one of
     them with its INT2 range ending exactly at a page's end."""
     gen = torch.Generator().manual_seed(1)
@@ -224,7 +240,7 @@ def test_decode_matches_reference(shape, splits, launch):
     if shape["d"] == 128 and DEV == "cuda":  # a long context (minutes in the interpreter)
         lengths.append(20_000)
     table, nblocks = _block_table(fmt, lengths, gen)
-    cache = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    cache = _pages(nblocks, h, fmt, padded)
     pages = ref.PageViews(cache, fmt)
     tdev = table.to(DEV)
     fills = _fills(fmt, h, gen)
@@ -318,6 +334,22 @@ def test_padded_decode_batch(shape, store):
 
 
 @pytest.mark.parametrize("plan", [INT2, MIXED])
+def test_blocks_padded_to_a_larger_page(plan):
+    """vLLM pads every block to the pool's largest page when a draft model's
+    BF16 layers share the pool, so a layer's blocks lie further apart than its
+    H pages. Store, decode and extend address blocks by the tensor's stride:
+    each matches the reference, and the bytes between blocks stay untouched."""
+    _padded_blocks.clear()
+    shape = dict(SMALL, tiers=plan)
+    test_store_matches_reference(shape, rotate=True, padded=True)
+    test_decode_matches_reference(shape, splits=3, launch=None, padded=True)
+    test_extend_matches_reference(shape, padded=True)
+    assert len(_padded_blocks) == 3
+    for raw, used in _padded_blocks:
+        assert bool((raw[:, used:] == PAD_BYTE).all())
+
+
+@pytest.mark.parametrize("plan", [INT2, MIXED])
 def test_decode_sub_page_steps(plan):
     """Steps of half a page (two per block), as the one- and two-warp launches take them."""
     test_decode_matches_reference(dict(SMALL, tiers=plan, kb=32), 3, {"num_warps": 2, "num_stages": 2, "tile": 16})
@@ -352,7 +384,7 @@ def test_decode_partial_steps(tile, monkeypatch):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
-def test_extend_matches_reference(shape, launch=None):
+def test_extend_matches_reference(shape, launch=None, padded=False):
     """One batch of chunks: a first prefill, chunks that start inside the sink,
     inside the window and far beyond it, shorter and longer than W; then the
     pages after store (INT2) -> extend -> store (BF16) equal the reference's."""
@@ -368,7 +400,7 @@ def test_extend_matches_reference(shape, launch=None):
         steps += [(9000, 700)]
     table, nblocks = _block_table(fmt, [c + t for c, t in steps], gen)
     tdev = table.to(DEV)
-    cache = torch.zeros(nblocks, h, fmt.block_size, fmt.bytes_per_token, dtype=torch.uint8, device=DEV)
+    cache = _pages(nblocks, h, fmt, padded)
     pages = ref.PageViews(cache, fmt)
     scale = d ** -0.5
     fills = _fills(fmt, h, gen)

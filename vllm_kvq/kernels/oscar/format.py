@@ -256,3 +256,16 @@ class OscarFormat(PagedFormat):
     @property
     def v_pairs_offset(self) -> int:
         return self.k_pairs_offset + self.block_size * 4 * self.k.stored
+
+    def block_stride(self, kv_cache) -> int:
+        """Bytes from one block of a layer's pages ``[blocks, H, KB, C]`` (uint8)
+        to the next. vLLM pads every block to the pool's largest page when
+        other layers (a draft model's BF16 cache) have bigger pages, so blocks
+        may lie further apart than ``H * block_bytes``; a block is dense."""
+        _, h, kb, c = kv_cache.shape
+        if (kv_cache.element_size() != 1 or kb * c != self.block_bytes
+                or tuple(kv_cache.stride()[1:]) != (kb * c, c, 1) or kv_cache.stride(0) < h * kb * c):
+            raise ValueError(f"OSCAR pages must be uint8 [blocks, H, {self.block_size}, {self.bytes_per_token}] "
+                             f"with dense blocks, got {kv_cache.dtype} shape {tuple(kv_cache.shape)} strides "
+                             f"{tuple(kv_cache.stride())}")
+        return kv_cache.stride(0)

@@ -285,10 +285,10 @@ def _pairs(cache_i32, at, r0, tk, NT: tl.constexpr, G: tl.constexpr, inside, PAR
 
 
 @triton.jit
-def _page_base(row, page, H, h, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr):
+def _page_base(row, page, S, h, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr):
     """Byte offset of one page's (block, KV head) region."""
     blk = tl.load(row + STATE_BLOCKS + page).to(tl.int64)
-    return (blk * H + h) * BLOCK_BYTES
+    return blk * S + h * BLOCK_BYTES
 
 
 @triton.jit
@@ -301,7 +301,7 @@ def page_step(step, KB: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, S, h,
           KP: tl.constexpr, VP: tl.constexpr, KC: tl.constexpr, VC: tl.constexpr, NK: tl.constexpr,
           NV: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr,
           GP: tl.constexpr, ASM: tl.constexpr, TILE: tl.constexpr, EDGE: tl.constexpr):
@@ -313,7 +313,7 @@ def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8,
     t = tl.arange(0, TILE)
     tk = _swap12(t, ASM)  # key rows (and probabilities) in the values' token order
     page, r0 = page_step(step, KB, TILE)
-    pbase = _page_base(row, page, H, h, BLOCK_BYTES, STATE_BLOCKS)
+    pbase = _page_base(row, page, S, h, BLOCK_BYTES, STATE_BLOCKS)
     r = r0 + tk  # key rows in the page
     inside = r < KB
     k_at = cache_i32 + (pbase + KB * (KC + VC)) // 4
@@ -391,7 +391,7 @@ def _zeros(R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H, h, kfill, vfill,
+def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, S, h, kfill, vfill,
            q_scale, num_splits, KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
            V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr,
            KB: tl.constexpr, BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
@@ -465,18 +465,18 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H
             vacc = vacc + (_zeros(VP[i][1], NV * GP),)
     for step in tl.range(step_lo, inner_lo, num_stages=2):
         m_i, l_i, mins_a, mins_b, vacc = _step(
-            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, S, h,
             KP, VP, KC, VC, NK, NV, KB, BLOCK_BYTES, STATE_BLOCKS, GP, ASM, TILE, True)
     for step in tl.range(inner_lo, inner_hi, num_stages=NSTAGE):
         # a step's addresses come from the loop index alone, so Triton copies
         # the next step's codes and scales while this one is read, and reads
         # the block table further ahead (num_stages)
         m_i, l_i, mins_a, mins_b, vacc = _step(
-            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, S, h,
             KP, VP, KC, VC, NK, NV, KB, BLOCK_BYTES, STATE_BLOCKS, GP, ASM, TILE, False)
     for step in tl.range(inner_hi, step_hi, num_stages=2):
         m_i, l_i, mins_a, mins_b, vacc = _step(
-            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, H, h,
+            step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, S, h,
             KP, VP, KC, VC, NK, NV, KB, BLOCK_BYTES, STATE_BLOCKS, GP, ASM, TILE, True)
 
     live = l_i > 0
@@ -519,7 +519,7 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, H
 
 
 @triton.jit
-def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, H, h, D: tl.constexpr,
+def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, S, h, D: tl.constexpr,
                BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
                ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
     """BLOCK_N state slots (chunk ``chunk``) of the live BF16 sink/window rows."""
@@ -538,7 +538,7 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, H, h, 
         pos = last - ((tl.maximum(last - SINK, 0) % RING) - (slot - SINK) + RING) % RING
         ok = tl.where(slot < SINK, slot < L, (slot < SINK + RING) & (pos >= tl.maximum(L - WINDOW, SINK)))
     sblk = tl.load(row + slot // ROWS, mask=ok, other=0).to(tl.int64)
-    sbase = (sblk * H + h) * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D)
+    sbase = sblk * (S // 2) + h * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D)
     k = tl.load(cache_bf16 + sbase[:, None] + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
     v = tl.load(cache_bf16 + sbase[:, None] + D + d[None, :], mask=ok[:, None], other=0.0).to(tl.float16)
     s = tl.dot(q, tl.trans(k))
@@ -556,7 +556,7 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, H, h, 
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
                    cache_u8, cache_i32, cache_bf16, kfill, vfill, o_ptr, lse_ptr, q_scale, num_splits,
-                   H, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                   S, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                    KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
                    V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr,
@@ -580,11 +580,11 @@ def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
     part = (b * HQ + hq).to(tl.int64) * (num_splits + NUM_BF16) + split
     o_base = o_ptr + part * D
     if split < num_splits:
-        _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr + part, L, split, H, h, kfill, vfill,
+        _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr + part, L, split, S, h, kfill, vfill,
                q_scale, num_splits, KP, VP, K4, K2, V4, V2, D, KB, BLOCK_BYTES, SINK, WINDOW,
                STATE_BLOCKS, GP, ASM, NSTAGE, TILE)
     else:
-        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits, H, h, D,
+        _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr + part, L, split - num_splits, S, h, D,
                    BLOCK_BYTES, SINK, WINDOW, RING, ROWS, GP, BLOCK_N, q_scale)
 
 
@@ -681,7 +681,7 @@ def decode_attention(
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
         fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device), o_part, lse_part,
-        scale * LOG2E, splits, h, HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
+        scale * LOG2E, splits, fmt.block_stride(kv_cache), HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
         KP=row_pieces(fmt.k.code_bytes, fmt.k.int4 // 2), VP=row_pieces(fmt.v.code_bytes, fmt.v.int4 // 2), K4=fmt.k.int4, K2=fmt.k.int2,
         V4=fmt.v.int4, V2=fmt.v.int2, D=d, KB=fmt.block_size, BLOCK_BYTES=fmt.block_bytes,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,

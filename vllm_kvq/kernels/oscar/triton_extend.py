@@ -57,7 +57,7 @@ def key_tile(block_n: int, head_size: int, block_size: int) -> int:
 
 
 @triton.jit
-def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, H, h, V: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
+def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, S, h, V: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
                 D: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, VC: tl.constexpr, NK: tl.constexpr,
                 NV: tl.constexpr, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantized K (V=0) or V (1) rows of positions ``n0 .. n0 + BLOCK_N``
@@ -83,7 +83,7 @@ def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, H, h, V: tl.constexpr, W
     byte = tl.where(is4, e % max(NB4, 1), NB4 + e2 % max(NB2, 1))
     shift = tl.where(is4, 4 * (e // max(NB4, 1)), 2 * (e2 // max(NB2, 1)))
     mask = tl.where(is4, 15, 3)
-    base = _page_base(row, n0 // KB, H, h, BLOCK_BYTES, STATE_BLOCKS)
+    base = _page_base(row, n0 // KB, S, h, BLOCK_BYTES, STATE_BLOCKS)
     off = n0 % KB + tl.arange(0, BLOCK_N)
     if V:  # V codes are byte-major (format.py)
         at = cache_u8 + base + KB * KC + byte[None, :] * KB + off[:, None]
@@ -110,7 +110,7 @@ def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, H, h, V: tl.constexpr, W
 
 
 @triton.jit
-def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_h, H, h,
+def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_h, S, h,
                V: tl.constexpr, D: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                SINK: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr):
     """K (V=0) or V (1) BF16 rows of ``pos`` as ``[BLOCK_N, D]`` fp16: ring
@@ -120,7 +120,7 @@ def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_
     new = ok & (pos >= ctx)
     slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
     sblk = tl.load(row + slot // ROWS, mask=old, other=0).to(tl.int64)
-    ring = cache_bf16 + (sblk * H + h) * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D) + V * D
+    ring = cache_bf16 + sblk * (S // 2) + h * (BLOCK_BYTES // 2) + (slot % ROWS) * (2 * D) + V * D
     chunk = new_ptr + (qstart + pos - ctx).to(tl.int64) * stride_t + h * stride_h
     x = tl.load(ring[:, None] + d[None, :], mask=old[:, None], other=0.0) + \
         tl.load(chunk[:, None] + d[None, :], mask=new[:, None], other=0.0)
@@ -158,7 +158,7 @@ def _step_rows(step, KB: tl.constexpr, BLOCK_N: tl.constexpr):
 def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                    tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_i32, cache_bf16, kfill, vfill,
                    out_ptr, stride_ot, stride_oh,
-                   H, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                   S, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
                    K4: tl.constexpr, K2: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,
                    KB: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
                    STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
@@ -199,13 +199,13 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
     for n0 in range(0, sink_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         ok = pos < sink_end
-        k = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, H, h, 0, D, BLOCK_BYTES,
+        k = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, S, h, 0, D, BLOCK_BYTES,
                        SINK, RING, ROWS)
         s = tl.dot(q, tl.trans(k))
         live = qok[:, None] & ok[None, :] & (pos[None, :] <= tpos[:, None])
         s = tl.where(live, s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
-        v = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h, 1, D, BLOCK_BYTES,
+        v = _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, S, h, 1, D, BLOCK_BYTES,
                        SINK, RING, ROWS)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
@@ -219,12 +219,12 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
     for step in range(int2_lo, int2_hi):
         n0, pos, inside = _step_rows(step, KB, BLOCK_N)
         ok = (pos >= SINK) & (pos < int2_end) & inside
-        k = _quant_rows(n0, ok, row, cache_u8, cache_i32, kfill, H, h, 0, K4, K2, D, KB, KC, VC, NK, NV,
+        k = _quant_rows(n0, ok, row, cache_u8, cache_i32, kfill, S, h, 0, K4, K2, D, KB, KC, VC, NK, NV,
                         BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
         s = tl.dot(q, tl.trans(k))
         s = tl.where(qok[:, None] & ok[None, :], s, float("-inf"))
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
-        v = _quant_rows(n0, ok, row, cache_u8, cache_i32, vfill, H, h, 1, V4, V2, D, KB, KC, VC, NK, NV,
+        v = _quant_rows(n0, ok, row, cache_u8, cache_i32, vfill, S, h, 1, V4, V2, D, KB, KC, VC, NK, NV,
                         BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
         acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v)
 
@@ -234,10 +234,10 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         ok = (pos >= int2_end) & (pos <= t_max) & inside
         # ring rows older than ctx - W now hold newer positions; no query here reads them in BF16
         has_bf16 = ok & ((pos >= ctx) | (pos >= ctx - WINDOW))
-        k = _quant_rows(n0, ok, row, cache_u8, cache_i32, kfill, H, h, 0, K4, K2, D, KB, KC, VC, NK, NV,
+        k = _quant_rows(n0, ok, row, cache_u8, cache_i32, kfill, S, h, 0, K4, K2, D, KB, KC, VC, NK, NV,
                         BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
         s_lo = tl.dot(q, tl.trans(k))
-        k = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, H, h, 0, D,
+        k = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, k_ptr, stride_kt, stride_kh, S, h, 0, D,
                        BLOCK_BYTES, SINK, RING, ROWS)
         s_hi = tl.dot(q, tl.trans(k))
         use_hi = (tpos[:, None] - pos[None, :]) < WINDOW
@@ -246,10 +246,10 @@ def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_p
         p, alpha, m_i, l_i = softmax_step(s, m_i, l_i, 1)
         p_hi = tl.where(use_hi, p, 0.0).to(tl.float16)
         p_lo = tl.where(use_hi, 0.0, p).to(tl.float16)
-        v = _quant_rows(n0, ok, row, cache_u8, cache_i32, vfill, H, h, 1, V4, V2, D, KB, KC, VC, NK, NV,
+        v = _quant_rows(n0, ok, row, cache_u8, cache_i32, vfill, S, h, 1, V4, V2, D, KB, KC, VC, NK, NV,
                         BLOCK_BYTES, STATE_BLOCKS, BLOCK_N)
         acc = acc * alpha[:, None] + tl.dot(p_lo, v)
-        v = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, H, h, 1, D,
+        v = _bf16_rows(pos, has_bf16, ctx, qstart, row, cache_bf16, v_ptr, stride_vt, stride_vh, S, h, 1, D,
                        BLOCK_BYTES, SINK, RING, ROWS)
         acc += tl.dot(p_hi, v)
 
@@ -297,7 +297,7 @@ def extend_attention(
         kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
         fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device),
         out, out.stride(0), out.stride(1),
-        h, GROUP=group, HEADS=heads, D=d, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
+        fmt.block_stride(kv_cache), GROUP=group, HEADS=heads, D=d, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
         KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1),
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         BLOCK_M=BLOCK_M, BLOCK_N=key_tile(lc["block_n"], d, fmt.block_size), num_warps=lc["num_warps"],
