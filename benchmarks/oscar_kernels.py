@@ -696,8 +696,8 @@ def write_page(text: str) -> None:
 def e2e_section(results: dict) -> list[str]:
     from benchmarks.oscar_vllm_e2e import render as render_e2e
 
-    return ["", "## Serving job in vLLM on the H200 (`benchmarks/oscar_vllm_e2e.py`)", "",
-            "Random-weight Qwen3-4B shape, same gpu_memory_utilization for both backends, greedy with ignore_eos;"
+    return ["", "## Serving job in vLLM on the GPU (`benchmarks/oscar_vllm_e2e.py`)", "",
+            "Random-weight Qwen3-4B shape, same gpu_memory_utilization for both backends of a job (each job names its card), greedy with ignore_eos;"
             " enforce_eager, or where the job says so full CUDA graphs for decode-only batches in both engines"
             " (`compilation_config={\"mode\": 0, \"cudagraph_mode\": \"FULL_DECODE_ONLY\"}`). Decode tok/s counts only"
             " the steps in which every running request decodes and nothing is admitted or prefilled.", "",

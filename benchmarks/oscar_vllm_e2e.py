@@ -161,6 +161,7 @@ def render(results: dict) -> str:
     for job in results.values():
         shape = f"{job['requests']} x {job['prompt_len']} + {job['gen']}"
         shape += ", CUDA graphs" if job.get("compilation_config") else ""
+        shape += f", {job['device'].removeprefix('NVIDIA ').split()[0]}" if job.get("device") else ""
         ran = [name for name in BACKENDS if name in job]
         for name in ran:
             r = job[name]
