@@ -9,7 +9,8 @@ which on two cores costs more than the model does. vLLM keeps one distributed
 state per process and an engine's shutdown tears it down, so one engine is
 alive at a time: starting one shuts the kept one down first. Tests that need
 vLLM's processes (tensor parallelism, the server) set
-``VLLM_ENABLE_V1_MULTIPROCESSING=1`` for their engines."""
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` for their engines; ngram engines always
+get them (:func:`make_llm`)."""
 
 import gc
 import json
@@ -67,10 +68,19 @@ def make_llm(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
     from vllm import LLM
 
     SESSION_ENGINE.close()
+    args = engine_args(model, oscar, **kwargs)
+    # vLLM's ngram proposer imports numba, whose function wrappers break the
+    # kernel-override scan of sys.modules at every later in-process start
+    ngram = (args.get("speculative_config") or {}).get("method") == "ngram"
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if ngram:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     try:
-        return LLM(**engine_args(model, oscar, **kwargs))
+        return LLM(**args)
     finally:
         torch.set_num_threads = SET_NUM_THREADS
+        if ngram:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def engine_config(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):

@@ -95,23 +95,35 @@ def test_acceptance_matches_the_unquantized_cache(oscar_ngram, unquantized_ngram
     assert rate >= ref_rate - ACCEPTANCE_TOLERANCE
 
 
+_LAUNCHES: list[int] = []  # query_len of each decode-kernel launch, in the worker that counts them
+
+
+def _count_decode_launches(model) -> None:
+    """In a worker: count the decode kernel's launches by their query rows a request."""
+    from vllm_kvq.kernels.oscar import triton_decode
+
+    decode = triton_decode.decode_attention
+
+    def counted(q, *args, query_len=1, **kw):
+        _LAUNCHES.append(query_len)
+        return decode(q, *args, query_len=query_len, **kw)
+
+    triton_decode.decode_attention = counted
+
+
+def _decode_launches(model) -> list[int]:
+    return list(_LAUNCHES)
+
+
 def test_triton_kernels_verify_drafts_in_the_decode_kernel(greedy, monkeypatch):
-    """``kernels: "triton"`` (Triton's interpreter on CPU, set by conftest)
-    with ngram: the verification steps' 1 + k query rows
+    """``kernels: "triton"`` (Triton's interpreter on CPU, inherited by the
+    engine's processes) with ngram: the verification steps' 1 + k query rows
     a request go through the decode kernel (each row its own window edge,
     over a ring of W + k slots), and the greedy tokens equal the reference
     ops' under the same speculation."""
     pytest.importorskip("triton")
-    from vllm_kvq.kernels.oscar import triton_decode
-
-    launches = []  # query rows a request of each decode-kernel launch (the engine runs in this process)
-    decode = triton_decode.decode_attention
-
-    def counted(q, *args, query_len=1, **kw):
-        launches.append(query_len)
-        return decode(q, *args, query_len=query_len, **kw)
-
-    monkeypatch.setattr(triton_decode, "decode_attention", counted)
+    monkeypatch.setitem(os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships functions
+    monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
     body = "def add(a, b):\n    return a + b\n\n"
     prompts = [body * 3 + "def add3(a, b, c):", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = ["]
     kvq = {**KVQ, "sink": 8, "window": 16}
@@ -120,8 +132,11 @@ def test_triton_kernels_verify_drafts_in_the_decode_kernel(greedy, monkeypatch):
     for kernels in ("reference", "triton"):
         llm = make_llm(oscar={**kvq, "kernels": kernels}, **engine)
         try:
+            if kernels == "triton":
+                llm.apply_model(_count_decode_launches)
             outs[kernels] = llm.generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
             counts = _spec_counts(llm)
+            launches = llm.apply_model(_decode_launches)[0] if kernels == "triton" else None
         finally:
             shutdown(llm)
     compared, mean, worst = compare(outs["triton"], outs["reference"], "ngram: Triton vs reference ops")
