@@ -1,10 +1,20 @@
-"""Shared helpers: the house models, small vLLM engines on CPU, and one engine
-per configuration for the whole session (:func:`engines`)."""
+"""Shared helpers: the house models, small vLLM engines on CPU, and the
+session's engine of a configuration, kept for the tests that follow
+(:func:`engines`).
+
+Engines run inside the test process (vLLM's in-process engine core and
+single-process executor): no engine-core and worker processes to start, and
+no engine core spinning on its worker's replies while the worker computes,
+which on two cores costs more than the model does. vLLM keeps one distributed
+state per process and an engine's shutdown tears it down, so one engine is
+alive at a time: starting one shuts the kept one down first. Tests that need
+vLLM's processes (tensor parallelism, the server) set
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` for their engines; ngram engines always
+get them (:func:`make_llm`)."""
 
 import gc
 import json
 import os
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -16,17 +26,21 @@ EVAL = CODE.parent  # the development data: code-dev.txt.gz, needles-dev.jsonl
 os.environ.setdefault("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # LLM.apply_model ships the tests' probes
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # vLLM's default pins each engine's OpenMP threads and keeps a core for its
 # scheduler: on two cores an engine would compute on one
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+# One intra-op thread, as vLLM serves on CPU: an in-process engine's worker
+# replaces torch.set_num_threads with a no-op before it would lower the count,
+# and two threads spin-waiting on two shared cores make every step several times
+# slower. make_llm puts the real function back after each start.
+SET_NUM_THREADS = torch.set_num_threads
+torch.set_num_threads(1)
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run in Triton's interpreter. Triton picks
     # the mode when a kernel is defined, so this must hold before any test
     # module (collected in any order) imports a kernel module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-ENGINES_ALIVE = 3  # engines kept for later tests; each holds its KV cache, weights and processes
-
 
 def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs) -> dict:
     """The arguments of a small CPU engine; ``oscar`` (the kvq settings)
@@ -49,11 +63,24 @@ def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs)
 
 
 def make_llm(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
-    """A small CPU engine (:func:`engine_args`) of the caller's own; shut it
-    down with :func:`shutdown`."""
+    """A small CPU engine (:func:`engine_args`) of the caller's own, after the
+    session's kept engine is shut down; shut it down with :func:`shutdown`."""
     from vllm import LLM
 
-    return LLM(**engine_args(model, oscar, **kwargs))
+    SESSION_ENGINE.close()
+    args = engine_args(model, oscar, **kwargs)
+    # vLLM's ngram proposer imports numba, whose function wrappers break the
+    # kernel-override scan of sys.modules at every later in-process start
+    ngram = (args.get("speculative_config") or {}).get("method") == "ngram"
+    saved = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    if ngram:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+    try:
+        return LLM(**args)
+    finally:
+        torch.set_num_threads = SET_NUM_THREADS
+        if ngram:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = saved
 
 
 def engine_config(model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
@@ -63,6 +90,7 @@ def engine_config(model: str = "house-qwen3", oscar: dict | None = None, **kwarg
 
     import vllm_kvq
 
+    SESSION_ENGINE.close()  # parsing a config replaces the settings an in-process engine reads
     vllm_kvq.register()
     return EngineArgs(**engine_args(model, oscar, **kwargs)).create_engine_config()
 
@@ -76,37 +104,37 @@ def shutdown(llm) -> None:
     gc.collect()
 
 
-class Engines:
-    """Engines shared by every test of the session: the same arguments give
-    the same engine. At most ``limit`` stay alive; the least recently used
-    is shut down to make room."""
+class KeptEngine:
+    """The engine of the last configuration asked for, kept until another
+    configuration (or :func:`make_llm`) needs the process: tests in a row
+    that use one configuration share one engine."""
 
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.alive: OrderedDict = OrderedDict()
+    def __init__(self):
+        self.key, self.llm = None, None
 
     def __call__(self, model: str = "house-qwen3", oscar: dict | None = None, **kwargs):
         key = json.dumps(engine_args(model, oscar, **kwargs), sort_keys=True, default=str)
-        llm = self.alive.pop(key, None)
-        if llm is None:
-            while len(self.alive) >= self.limit:
-                shutdown(self.alive.popitem(last=False)[1])
-            llm = make_llm(model, oscar, **kwargs)
-        self.alive[key] = llm
-        return llm
+        if key != self.key:
+            llm = make_llm(model, oscar, **kwargs)  # shuts the kept one down first
+            self.key, self.llm = key, llm
+        return self.llm
 
     def close(self) -> None:
-        while self.alive:
-            shutdown(self.alive.popitem()[1])
+        llm, self.key, self.llm = self.llm, None, None
+        if llm is not None:
+            shutdown(llm)
+
+
+SESSION_ENGINE = KeptEngine()
 
 
 @pytest.fixture(scope="session")
 def engines():
-    """``engines(model, oscar, **kwargs)``: the session's engine of that
-    configuration (:func:`engine_args`), started on first use."""
-    cache = Engines(ENGINES_ALIVE)
-    yield cache
-    cache.close()
+    """``engines(model, oscar, **kwargs)``: an engine of that configuration
+    (:func:`engine_args`), the kept one if the last request asked for the
+    same (:class:`KeptEngine`)."""
+    yield SESSION_ENGINE
+    SESSION_ENGINE.close()
 
 
 @pytest.fixture(scope="session")

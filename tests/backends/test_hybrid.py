@@ -62,6 +62,7 @@ def test_hybrid_tp2_equals_tp1_with_int2_active(greedy, monkeypatch):
     prompts = [r["prompt"] for r in needles(max_tokens=900, limit=8)]
     _, one = generate(greedy, prompts, oscar=kvq)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # one worker process per rank
     _, two = generate(greedy, prompts, oscar=kvq, tensor_parallel_size=2, distributed_executor_backend="mp")
     out = compare(two, one)
     assert out["equal_up_to_tie"] == out["prompts"]

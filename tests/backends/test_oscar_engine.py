@@ -6,6 +6,7 @@ model of the same math. Configurations that several tests use come from the
 session's engines (conftest ``engines``); the others start and stop in their
 test."""
 
+import copy
 import math
 
 import pytest
@@ -64,11 +65,11 @@ def test_exact_in_bf16_when_sink_and_window_cover_the_sequence(engines, greedy):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    ref_llm, llm = engines(**BF16), engines(**HADAMARD_BF16)
-    ref = ref_llm.generate(_short_prompts(), greedy(24), use_tqdm=False)
+    ref = engines(**BF16).generate(_short_prompts(), greedy(24), use_tqdm=False)
     full = [TokensPrompt(prompt_token_ids=list(r.prompt_token_ids) + list(r.outputs[0].token_ids)) for r in ref]
     score = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    a, b = ref_llm.generate(full, score, use_tqdm=False), llm.generate(full, score, use_tqdm=False)
+    a = engines(**BF16).generate(full, score, use_tqdm=False)
+    b = engines(**HADAMARD_BF16).generate(full, score, use_tqdm=False)
     diffs = []
     for r, x, y in zip(ref, a, b):
         assert len(x.prompt_token_ids) + 1 <= 64 + 256
@@ -90,8 +91,9 @@ def test_capacity_at_the_same_memory_budget(engines):
 
     hf = AutoConfig.from_pretrained(model_path())
     d, heads, layers = hf.head_dim, hf.num_key_value_heads, hf.num_hidden_layers
-    bf16 = engines(**BF16).llm_engine.vllm_config.cache_config
-    oscar = engines(**HADAMARD_BF16).llm_engine.vllm_config.cache_config
+    # copies: an engine's shutdown (the next start's first step) clears its figures
+    bf16 = copy.copy(engines(**BF16).llm_engine.vllm_config.cache_config)
+    oscar = copy.copy(engines(**HADAMARD_BF16).llm_engine.vllm_config.cache_config)
     fmt = page_format(d, oscar.block_size, OscarSettings.from_dict(HADAMARD_BF16["oscar"]))
     assert (fmt.bytes_per_token, fmt.state_blocks) == (72, 18)
     assert bf16.num_gpu_blocks == BUDGET // (layers * heads * bf16.block_size * 2 * d * 2)

@@ -13,12 +13,10 @@ tokens). A window checkpoint is taken where a step starts on a block
 boundary, so a prompt scheduled alone leaves one at every block it crosses.
 """
 
-import os
-
 import pytest
 
 from tests.backends.test_state_pool import compare
-from tests.conftest import REPO, make_llm, needles, shutdown
+from tests.conftest import REPO, needles
 
 pytestmark = pytest.mark.slow
 
@@ -29,26 +27,22 @@ SMALL_BLOCK = 32
 DECODE_REGIME = dict(dtype="float32", max_num_batched_tokens=64, disable_log_stats=False)
 
 
-def _engine(kvq, apc, **kw):
-    """An OSCAR engine in the decode regime, prefix caching on or off."""
-    return make_llm(oscar=kvq, enable_prefix_caching=apc, **{**DECODE_REGIME, **kw})
+DEFAULTS_ENGINE = dict(oscar=DEFAULTS, max_model_len=1280, **DECODE_REGIME)
+SMALL_ENGINE = dict(oscar=SMALL, **{**DECODE_REGIME, "max_model_len": 1536, "block_size": SMALL_BLOCK,
+                                    "max_num_batched_tokens": SMALL_BLOCK})
+# the small settings with prefix caching in a pool of 150 blocks of 32 tokens (a
+# request of 400 tokens holds 13 data and 20 state blocks, and leaves a 20-block
+# checkpoint)
+TIGHT_ENGINE = dict(SMALL_ENGINE, enable_prefix_caching=True, num_gpu_blocks_override=150)
 
 
-@pytest.fixture(scope="module")
-def defaults_pair():
-    engines = [_engine(DEFAULTS, apc, max_model_len=1280) for apc in (False, True)]
-    yield engines
-    for llm in engines:
-        shutdown(llm)
+def off(engines, config):
+    """The engine of ``config`` with prefix caching off: the reference."""
+    return engines(**config, enable_prefix_caching=False)
 
 
-@pytest.fixture(scope="module")
-def small_pair():
-    engines = [_engine(SMALL, apc, max_model_len=1536, block_size=SMALL_BLOCK, max_num_batched_tokens=SMALL_BLOCK)
-               for apc in (False, True)]
-    yield engines
-    for llm in engines:
-        shutdown(llm)
+def on(engines, config):
+    return engines(**config, enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +76,7 @@ def _run_in_order(llm, batches, params):
     return outs
 
 
-def _shared_prefix_case(pair, texts, greedy, prefix_len, block):
+def _shared_prefix_case(engines, config, texts, greedy, prefix_len, block):
     """Prompts = one shared prefix (ending inside a block) + their own
     continuations: the first alone (writes the blocks), the second alone (its
     data hit has no window checkpoint yet, so it recomputes and leaves one at
@@ -93,11 +87,11 @@ def _shared_prefix_case(pair, texts, greedy, prefix_len, block):
     assert len({p[prefix_len] for p in prompts}) == len(prompts)  # they part right after the prefix
     batches = [[prompts[0]], [prompts[1]], prompts[2:], [prompts[0]]]
     params = greedy(24, logprobs=2)
-    off, on = pair
-    before = _hits(on)
-    ref = _run_in_order(off, batches, params)
-    got = _run_in_order(on, batches, params)
-    queries, hits = (a - b for a, b in zip(_hits(on), before))
+    ref = _run_in_order(off(engines, config), batches, params)
+    cached = on(engines, config)
+    before = _hits(cached)
+    got = _run_in_order(cached, batches, params)
+    queries, hits = (a - b for a, b in zip(_hits(cached), before))
     compare(got, ref, f"APC on vs off, shared prefix of {prefix_len} tokens")
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
     cached = [o.num_cached_tokens for o in got]
@@ -110,59 +104,47 @@ def _shared_prefix_case(pair, texts, greedy, prefix_len, block):
     assert queries == sum(len(p) for b in batches for p in b)
 
 
-def test_shared_prefix_with_default_sink_and_window(defaults_pair, texts, greedy):
+def test_shared_prefix_with_default_sink_and_window(engines, texts, greedy):
     """Sink 64, window 256, 128-token blocks: a 700-token shared prefix (more
     than sink + window + 2 blocks, ending mid-block)."""
-    _shared_prefix_case(defaults_pair, texts, greedy, prefix_len=700, block=128)
+    _shared_prefix_case(engines, DEFAULTS_ENGINE, texts, greedy, prefix_len=700, block=128)
 
 
-def test_shared_prefix_with_small_window(small_pair, texts, greedy):
-    _shared_prefix_case(small_pair, texts, greedy, prefix_len=270, block=SMALL_BLOCK)
+def test_shared_prefix_with_small_window(engines, texts, greedy):
+    _shared_prefix_case(engines, SMALL_ENGINE, texts, greedy, prefix_len=270, block=SMALL_BLOCK)
 
 
-@pytest.mark.parametrize("scheme", [
-    {"scheme": "kivi"},
-    {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-tiered")},
-])
-def test_shared_prefix_with_other_schemes(scheme, texts, greedy):
-    """The KIVI-style (per-channel key groups, closed at block boundaries)
-    and tiered page formats share the state blocks, so the same checkpoints."""
-    kvq = {**SMALL, **scheme} if "artifact" in scheme else {"sink": SMALL["sink"], "window": SMALL["window"], **scheme}
-    pair = [_engine(kvq, apc, max_model_len=1024, block_size=SMALL_BLOCK, max_num_batched_tokens=SMALL_BLOCK)
-            for apc in (False, True)]
-    try:
-        _shared_prefix_case(pair, texts, greedy, prefix_len=270, block=SMALL_BLOCK)
-    finally:
-        for llm in pair:
-            shutdown(llm)
-
-
-def test_hit_shorter_than_the_sink(small_pair, texts, greedy):
+def test_hit_shorter_than_the_sink(engines, texts, greedy):
     """Prompts sharing 40 tokens: the hit (one 32-token block) ends inside
     the 48-token sink, so the restored rows are sink rows only."""
     prefix = texts[1][:40]
     prompts = [prefix + texts[i][300:500] for i in (2, 3, 4)]
     batches = [[p] for p in prompts]
     params = greedy(24, logprobs=2)
-    off, on = small_pair
-    ref = _run_in_order(off, batches, params)
-    got = _run_in_order(on, batches, params)
+    got = _run_in_order(on(engines, SMALL_ENGINE), batches, params)
+    ref = _run_in_order(off(engines, SMALL_ENGINE), batches, params)
     compare(got, ref, "APC on vs off, 40-token shared prefix")
     assert [o.num_cached_tokens for o in got] == [0, 0, SMALL_BLOCK]
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_multi_turn_replay(small_pair, texts, greedy):
-    """4 conversations x 5 turns: each turn resends the conversation so far
+def test_multi_turn_replay(engines, texts, greedy):
+    """8 conversations x 5 turns: each turn resends the conversation so far
     (previous prompt + its answer) plus a new user message. From turn 2 on at
     least 80% of the prompt tokens must hit, and every turn's tokens must be
-    the reference's."""
-    off, on = small_pair
+    the reference's. The reference plays the whole conversations first; the
+    cached engine then gets the same turns in the same order."""
     params = greedy(33, logprobs=2)  # 32 decode steps: one starts on a block boundary
-    conversations = [texts[i][:320] for i in range(4)]
+    conversations, turns, refs = [texts[i][:320] for i in range(8)], [], []
+    reference = off(engines, SMALL_ENGINE)
     for turn in range(5):
-        ref = off.generate(_prompts(conversations), params, use_tqdm=False)
-        got = on.generate(_prompts(conversations), params, use_tqdm=False)
+        turns.append(conversations)
+        refs.append(reference.generate(_prompts(conversations), params, use_tqdm=False))
+        user = [texts[(i + turn + 1) % len(texts)][900 + 30 * turn : 924 + 30 * turn] for i in range(8)]
+        conversations = [c + list(r.outputs[0].token_ids) + u for c, r, u in zip(conversations, refs[-1], user)]
+    cached = on(engines, SMALL_ENGINE)
+    for turn, (conversations, ref) in enumerate(zip(turns, refs)):
+        got = cached.generate(_prompts(conversations), params, use_tqdm=False)
         compare(got, ref, f"turn {turn + 1}")
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
         prompt_tokens = sum(len(c) for c in conversations)
@@ -170,29 +152,11 @@ def test_multi_turn_replay(small_pair, texts, greedy):
         print(f"turn {turn + 1}: {prompt_tokens} prompt tokens, {hit:.1%} hit the cache")
         if turn:
             assert hit >= 0.8
-        user = [texts[(i + turn + 1) % len(texts)][900 + 30 * turn : 924 + 30 * turn] for i in range(4)]
-        conversations = [c + list(r.outputs[0].token_ids) + u for c, r, u in zip(conversations, ref, user)]
-
-
-@pytest.fixture(scope="module")
-def tight():
-    """OSCAR with prefix caching in a pool of 150 blocks of 32 tokens (a
-    request of 400 tokens holds 13 data and 20 state blocks, and leaves a
-    20-block checkpoint), the engine core in this process so that the test
-    can watch its scheduler."""
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    try:
-        llm = _engine(SMALL, True, max_model_len=1536, block_size=SMALL_BLOCK, max_num_batched_tokens=SMALL_BLOCK,
-                      num_gpu_blocks_override=150)
-    finally:
-        del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-    yield llm
-    shutdown(llm)
 
 
 def _spy_on_hits(llm) -> list[tuple[int, int]]:
     """(preemptions so far, hit tokens) of every prefix-cache lookup of the
-    real scheduler's KV-cache manager."""
+    real scheduler's KV-cache manager (the engine core runs in this process)."""
     manager = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager
     seen, lookup = [], manager.get_computed_blocks
 
@@ -205,19 +169,20 @@ def _spy_on_hits(llm) -> list[tuple[int, int]]:
     return seen
 
 
-def test_eviction_then_rehits(small_pair, tight, texts, greedy):
+def test_eviction_then_rehits(engines, texts, greedy):
     """Prompts A fill the cache, prompts B evict it, A again recomputes what
     was evicted (same tokens), and A once more hits what that re-cached."""
     a = [texts[i][:400] for i in (5, 6, 7)]
     b = [texts[i][:400] for i in (8, 9, 10)]
     params = greedy(16, logprobs=2)
-    off = small_pair[0]
+    batches = (a, b, a, a)
+    refs = [_run_in_order(off(engines, SMALL_ENGINE), [[p] for p in batch], params) for batch in batches]
+    tight = engines(**TIGHT_ENGINE)
     seen = _spy_on_hits(tight)
     runs = []
-    for batch in (a, b, a, a):
-        ref = _run_in_order(off, [[p] for p in batch], params)
+    for batch, ref in zip(batches, refs):
         got = _run_in_order(tight, [[p] for p in batch], params)
-        compare(got, ref, "APC in a 100-block pool vs APC off")
+        compare(got, ref, "APC in a 150-block pool vs APC off")
         assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
         runs.append([o.num_cached_tokens for o in got])
     print(f"cached tokens per request: {runs}; lookups (preemptions, hit): {seen}")
@@ -226,7 +191,7 @@ def test_eviction_then_rehits(small_pair, tight, texts, greedy):
     assert sum(runs[3]) >= 0.5 * sum(len(p) for p in a)
 
 
-def test_preemption_with_cached_blocks(small_pair, tight, texts, greedy):
+def test_preemption_with_cached_blocks(engines, texts, greedy):
     """Eight requests on one cached 161-token prefix, growing together in 150
     blocks: vLLM preempts some, a preempted request resumes from cached blocks
     (its hit restored from a window checkpoint), and tokens stay the
@@ -235,10 +200,10 @@ def test_preemption_with_cached_blocks(small_pair, tight, texts, greedy):
     prefix = texts[11][:161]
     prompts = [prefix + texts[i][1000:1040 + 10 * i] for i in range(8)]
     params = greedy(160, logprobs=2)
-    off = small_pair[0]
-    ref = _run_in_order(off, [[prefix], prompts], params)
+    tight = engines(**TIGHT_ENGINE)  # the one the eviction test left
     seen = _spy_on_hits(tight)
     got = _run_in_order(tight, [[prefix], prompts], params)
+    ref = _run_in_order(off(engines, SMALL_ENGINE), [[prefix], prompts], params)
     resumed = [hit for preemptions, hit in seen if preemptions > 0]
     print(f"lookups of resumed requests hit {sorted(set(resumed))} ({len(resumed)} lookups)")
     compare(got, ref, "APC with preemption vs APC off")
@@ -246,3 +211,15 @@ def test_preemption_with_cached_blocks(small_pair, tight, texts, greedy):
     assert [o.num_cached_tokens for o in got[1:]] == [160] * 8
     assert resumed, "no request was preempted: the pool no longer runs out"
     assert max(resumed) >= 160
+
+
+@pytest.mark.parametrize("scheme", [
+    {"scheme": "kivi"},
+    {"artifact": str(REPO / "examples" / "artifacts" / "house-qwen3-tiered")},
+])
+def test_shared_prefix_with_other_schemes(scheme, engines, texts, greedy):
+    """The KIVI-style (per-channel key groups, closed at block boundaries)
+    and tiered page formats share the state blocks, so the same checkpoints."""
+    kvq = {**SMALL, **scheme} if "artifact" in scheme else {"sink": SMALL["sink"], "window": SMALL["window"], **scheme}
+    _shared_prefix_case(engines, dict(SMALL_ENGINE, oscar=kvq, max_model_len=1024), texts, greedy, prefix_len=270,
+                        block=SMALL_BLOCK)

@@ -128,7 +128,8 @@ def server(tmp_path_factory):
     ]
     log_path = (REPO if os.environ.get("KVQ_KEEP_LOGS") else tmp_path_factory.mktemp("server")) / "server-test.log"
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1")  # the server's processes as users run them
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     wait_healthy(proc, port, timeout=300, log=log_path)
     yield proc, port, log_path
     proc.terminate()

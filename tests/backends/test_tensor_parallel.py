@@ -45,6 +45,7 @@ def ray_cluster():
     paths = [str(SHIM), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.setenv("PYTHONPATH", os.pathsep.join(paths))  # before ray.init: Ray's workers inherit it
     env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # engine cores in their own processes, as served
     env.setenv("OMP_NUM_THREADS", "1")  # Ray's default for its actors; the mp workers take the same
     context = ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False,
                        object_store_memory=100 << 20)

@@ -1,8 +1,8 @@
 """The whole Triton path inside real vLLM, without a GPU.
 
-``kernels: "triton"`` with ``TRITON_INTERPRET=1`` (set by conftest, inherited
-by the engine's processes) runs the fused store, the extend kernel for the
-64-token prefill chunks and the split-KV decode in Triton's interpreter, with
+``kernels: "triton"`` with ``TRITON_INTERPRET=1`` (set by conftest) runs the
+fused store, the extend kernel for the 64-token prefill chunks and the
+split-KV decode in Triton's interpreter, with
 the metadata the builder makes for CUDA. Its tokens and logprobs must match
 the reference path (the engines of test_oscar_engine and test_tiered_engine),
 on a dense model and on a gated-delta-net hybrid, whose attention blocks vLLM
