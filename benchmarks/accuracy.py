@@ -9,6 +9,9 @@ model's table).
     python -m benchmarks.accuracy                      # both house models' tables in docs/accuracy.md
     python -m benchmarks.accuracy --model examples/models/house-qwen2 --variants NAME ...
     python -m benchmarks.accuracy --render-only        # docs/accuracy.md from the saved JSON
+    python -m benchmarks.accuracy --model M --label cuda --both-kernels --variants bf16 NAME ...
+                                                       # on a GPU: each OSCAR row through the reference
+                                                       # ops and through the Triton kernels, same weights
 
 A model directory with a ``tokenizer/`` folder (house-qwen2) uses that tokenizer.
 """
@@ -46,6 +49,7 @@ def variants(model: str) -> dict[str, dict | None]:
     }
 
 
+KERNEL_ROWS = {"reference ops": "reference", "Triton kernels": "triton"}
 AUTO = {80: "OSCAR tiers chosen by calibration, 80 B (the default)", 72: "OSCAR tiers chosen by calibration, 72 B"}
 
 
@@ -125,13 +129,14 @@ def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[li
 def model_table(results: dict, args) -> list[str]:
     base = results["bf16"]
     lines = [
-        f"## `{Path(args.model).name}`",
+        f"## `{Path(args.model).name}`" + (f" ({args.label}: {args.device}, weights `{args.model}`)" if getattr(args, "label", None) else ""),
         "",
         f"dtype {args.dtype}; {args.needles_per_bucket} needles per length bucket; {args.ppl_windows} perplexity "
         f"windows of 4000 tokens; prefill chunks of at most {args.chunk} tokens.",
         "",
     ]
     variant_rows, rows = variants(args.model), []
+    variant_rows |= {f"{n}, {how}": kvq for n, kvq in variant_rows.items() for how in KERNEL_ROWS}
     for name, r in results.items():
         b = r["needle_by_bucket"]
         rel = r["needle_acc"] / base["needle_acc"] if base["needle_acc"] else float("nan")
@@ -171,6 +176,14 @@ def findings(saved: dict[str, dict]) -> list[str]:
     return lines
 
 
+def kernel_findings(results: dict) -> list[str]:
+    """Each variant run through both kernels: the two rows side by side."""
+    pairs = [name[: -len(", reference ops")] for name in results if name.endswith(", reference ops")]
+    lines = [f"* **{base}**: reference ops {_delta(results, base + ', reference ops')}; Triton kernels "
+             f"{_delta(results, base + ', Triton kernels')}." for base in pairs if base + ", Triton kernels" in results]
+    return lines + [""] if lines else []
+
+
 def write_markdown(path: Path) -> None:
     """docs/accuracy.md from every ``benchmarks/results/accuracy-*.json``."""
     lines = [
@@ -188,12 +201,18 @@ def write_markdown(path: Path) -> None:
         "`--render-only` rewrites this page from the saved results.",
         "",
     ]
-    saved = {}
+    saved, labelled = {}, []
     for f in sorted((REPO / "benchmarks" / "results").glob("accuracy-*.json")):
         data = json.loads(f.read_text())
-        if "bf16" in data["results"]:
-            lines += model_table(data["results"], argparse.Namespace(**data["args"]))
-            saved[Path(data["args"]["model"]).name] = data["results"]
+        if "bf16" not in data["results"]:
+            continue
+        if data["args"].get("label"):  # a run of its own (a GPU's): tables after the CPU ones
+            labelled.append(data)
+            continue
+        lines += model_table(data["results"], argparse.Namespace(**data["args"]))
+        saved[Path(data["args"]["model"]).name] = data["results"]
+    for data in labelled:
+        lines += model_table(data["results"], argparse.Namespace(**data["args"])) + kernel_findings(data["results"])
     lines += [
         "Variants: `naive INT2` quantizes every key and value, the current token included (sink 0, "
         "window 0, no rotation, no clipping); `INT2 + sink/window` keeps the first 64 and last 256 "
@@ -254,7 +273,15 @@ def run_model(args: argparse.Namespace) -> None:
     merged into its saved JSON."""
     rows = variants(args.model)
     args.variants = args.variants or list(rows)
-    args.json = str(REPO / "benchmarks" / "results" / f"accuracy-{Path(args.model).name}.json")
+    if args.both_kernels:  # each OSCAR row twice: the PyTorch reference ops and the Triton kernels
+        rows = {f"{name}, {how}": ({**rows[name], "kernels": kernels} if rows[name] else None)
+                for name in args.variants for how, kernels in KERNEL_ROWS.items()} | {"bf16": None}
+        args.variants = ["bf16"] * ("bf16" in args.variants) + [n for n in rows if n != "bf16" and rows[n]]
+    suffix = f"-{args.label}" if args.label else ""
+    import torch
+
+    args.device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    args.json = str(REPO / "benchmarks" / "results" / f"accuracy-{Path(args.model).name}{suffix}.json")
 
     needles = needle_set(args.needles_per_bucket)
     windows = ppl_windows(tokenizer(args.model), args.ppl_windows)
@@ -279,6 +306,10 @@ def main() -> None:
     ap.add_argument("--ppl-windows", type=int, default=2)
     ap.add_argument("--variants", nargs="*", help="default: all rows of variants()")
     ap.add_argument("--markdown", default=str(REPO / "docs" / "accuracy.md"))
+    ap.add_argument("--label", default=None, help="results under accuracy-<model>-<label>.json, its own table "
+                    "(e.g. cuda: the rows of one GPU run)")
+    ap.add_argument("--both-kernels", action="store_true",
+                    help="each OSCAR variant through the reference ops and through the Triton kernels")
     ap.add_argument("--render-only", action="store_true", help="rewrite the markdown from the saved JSON")
     args = ap.parse_args()
     if args.render_only:

@@ -33,6 +33,9 @@
 #          stream, against FP32 updates, benchmarks/stepquant_kernels.py overlap (~4 min; not by default);
 #   kda-bench  the KDA row-unit codec's step against vLLM's KDA decode op, benchmarks/kda_kernels.py
 #          (~5 min; not by default);
+#   accuracy  the default tiered artifact's accuracy rows (benchmarks/accuracy.py, decode regime) through the
+#          reference ops and through the Triton kernels on the same weights (house-qwen3's int8-packed copy
+#          restored to bf16), with BF16; results: $OUT/accuracy-house-qwen3-cuda.json (~5 min; not by default);
 #   fp8    OSCAR on a block-FP8 checkpoint in real vLLM, scripts/cuda_fp8_check.py (~2 min);
 #   calib  calibration time at Qwen3-8B shape, benchmarks/calibration_time.py (~1 min);
 #   prefix the multi-turn chat job at 32 conversations x 6 turns over a 16K-token document: OSCAR with and
@@ -134,6 +137,15 @@ if [[ $steps == *" state-e2e-graphs "* ]]; then
   timeout 580 python3 -m benchmarks.stepquant_vllm_e2e --requests 1024 --prompt-len 256 --gen 128 --kv-gib 2 \
     --cuda-graphs --timeout-s 260 --json "$OUT/stepquant_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12
   echo "state e2e graphs rc=$?"
+fi
+if [[ $steps == *" accuracy "* ]]; then
+  ACC_MODEL=/tmp/kvq_accuracy/house-qwen3  # the directory's name picks examples/artifacts/house-qwen3-*
+  KVQ_CUDA_MODEL=$ACC_MODEL python3 -c "from scripts.cuda_check import make_model; make_model()"
+  cp .device-carry/house-qwen3/tokenizer*.json $ACC_MODEL/
+  timeout 560 python3 -m benchmarks.accuracy --model $ACC_MODEL --label cuda --both-kernels --dtype bfloat16 \
+    --variants bf16 "OSCAR tiers chosen by calibration, 80 B (the default)" > "$OUT/accuracy.log" 2>&1
+  echo "accuracy rc=$?"; grep -v "INFO\|WARNING" "$OUT/accuracy.log" | tail -8
+  cp benchmarks/results/accuracy-house-qwen3-cuda.json "$OUT/" 2>/dev/null
 fi
 if [[ $steps == *" fp8 "* ]]; then
   timeout 240 python3 -m scripts.cuda_fp8_check > "$OUT/cuda_fp8_check.log" 2>&1; echo "fp8 check rc=$?"
