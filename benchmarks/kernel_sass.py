@@ -134,7 +134,8 @@ def decode_job(name: str, spec: str, group: int, head_size: int = 128, kv_heads:
     const = dict(HQ=kv_heads * group, GROUP=group, GP=triton.next_power_of_2(group),
                  KP=triton_decode.row_pieces(f.k.code_bytes, f.k.int4 // 2),
                  VP=triton_decode.row_pieces(f.v.code_bytes, f.v.int4 // 2), K4=f.k.int4, K2=f.k.int2,
-                 V4=f.v.int4, V2=f.v.int2, D=head_size, KB=f.block_size, BLOCK_BYTES=f.block_bytes, SINK=f.sink,
+                 V4=f.v.int4, V2=f.v.int2, D=head_size, KB=f.block_size, BLOCK_BYTES=f.block_bytes,
+                 S=kv_heads * f.block_bytes, SINK=f.sink,
                  WINDOW=f.window, RING=f.ring, STATE_BLOCKS=f.state_blocks, ROWS=f.state_rows_per_block,
                  NUM_BF16=n_bf16, BLOCK_N=lc["bf16_rows"], ASM=True, NSTAGE=lc["num_stages"], TILE=lc["tile"], Q=1,
                  MAXNREG=lc.get("maxnreg"))
@@ -193,7 +194,7 @@ def store_jobs() -> list[tuple]:
     for name, spec in PLANS.items():
         f = _format(spec)
         for rotate in (True, False):
-            const = dict(H=8, D=128, KB=128, K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2, SINK=64,
+            const = dict(H=8, D=128, KB=128, S=8 * f.block_bytes, K4=f.k.int4, K2=f.k.int2, V4=f.v.int4, V2=f.v.int2, SINK=64,
                          WINDOW=256, RING=256, STATE_BLOCKS=f.state_blocks, ROWS=f.state_rows_per_block,
                          ROTATE=rotate, ROT_PARTS=3, DATA=True, STATE=True, T=lc["rows"], ASM=True,
                          DECODE=False, SLOTS=False)

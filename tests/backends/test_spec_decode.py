@@ -202,9 +202,9 @@ def test_triton_kernels_with_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
     rejected)."""
     pytest.importorskip("triton")
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
-    prompts = ["def add(a, b):\n    return a + b\n\n" * 3 + "def add3(a, b, c):", "x = [1, 2, 3]\ny = ["]
+    prompts = ["def add(a, b):\n    return a + b\n\n" * 3 + "def add3(a, b, c):"]
     kvq = {**KVQ, "sink": 8, "window": 16}
-    engine = dict(ENGINE, max_model_len=256, max_num_seqs=2)
+    engine = dict(ENGINE, max_model_len=256, max_num_seqs=1)
     spec = {"method": "eagle3", "model": _eagle3_head(tmp_path), "num_speculative_tokens": DRAFTS}
     outs = {}
     for kernels, extra in (("reference", {}), ("triton", {"speculative_config": spec})):
@@ -214,7 +214,7 @@ def test_triton_kernels_with_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
             drafted = _spec_counts(llm)[0] if extra else None
         finally:
             shutdown(llm)
-    assert drafted >= DRAFTS * 8
+    assert drafted >= DRAFTS * 12  # most of the 15 steps after the first token verified drafts
     assert outs["triton"] == outs["reference"]
 
 

@@ -285,7 +285,7 @@ def _pairs(cache_i32, at, r0, tk, NT: tl.constexpr, G: tl.constexpr, inside, PAR
 
 
 @triton.jit
-def _page_base(row, page, S, h, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr):
+def _page_base(row, page, S: tl.constexpr, h, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr):
     """Byte offset of one page's (block, KV head) region."""
     blk = tl.load(row + STATE_BLOCKS + page).to(tl.int64)
     return blk * S + h * BLOCK_BYTES
@@ -301,7 +301,7 @@ def page_step(step, KB: tl.constexpr, STEP: tl.constexpr):
 
 
 @triton.jit
-def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, S, h,
+def _step(step, m_i, l_i, mins_a, mins_b, vacc, qops, qs_a, qs_b, row, cache_u8, cache_i32, lo, hi, S: tl.constexpr, h,
           KP: tl.constexpr, VP: tl.constexpr, KC: tl.constexpr, VC: tl.constexpr, NK: tl.constexpr,
           NV: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr,
           GP: tl.constexpr, ASM: tl.constexpr, TILE: tl.constexpr, EDGE: tl.constexpr):
@@ -391,7 +391,7 @@ def _zeros(R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, S, h, kfill, vfill,
+def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, S: tl.constexpr, h, kfill, vfill,
            q_scale, num_splits, KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
            V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr,
            KB: tl.constexpr, BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr,
@@ -519,7 +519,7 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, S
 
 
 @triton.jit
-def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, S, h, D: tl.constexpr,
+def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, S: tl.constexpr, h, D: tl.constexpr,
                BLOCK_BYTES: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
                ROWS: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr, q_scale):
     """BLOCK_N state slots (chunk ``chunk``) of the live BF16 sink/window rows."""
@@ -556,7 +556,7 @@ def _bf16_rows(q_base, qmask, row, cache_bf16, o_base, lse_ptr, L, chunk, S, h, 
 @triton.jit
 def _decode_kernel(q_ptr, stride_qb, stride_qh, bt_ptr, bt_stride, seq_ptr,
                    cache_u8, cache_i32, cache_bf16, kfill, vfill, o_ptr, lse_ptr, q_scale, num_splits,
-                   S, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
+                   S: tl.constexpr, HQ: tl.constexpr, GROUP: tl.constexpr, GP: tl.constexpr,
                    KP: tl.constexpr, VP: tl.constexpr, K4: tl.constexpr, K2: tl.constexpr,
                    V4: tl.constexpr, V2: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                    SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr,
@@ -681,7 +681,7 @@ def decode_attention(
         q, q.stride(0), q.stride(1), block_table, block_table.stride(0), seq_lens,
         kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
         fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device), o_part, lse_part,
-        scale * LOG2E, splits, fmt.block_stride(kv_cache), HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
+        scale * LOG2E, splits, S=fmt.block_stride(kv_cache), HQ=hq, GROUP=group, GP=triton.next_power_of_2(group),
         KP=row_pieces(fmt.k.code_bytes, fmt.k.int4 // 2), VP=row_pieces(fmt.v.code_bytes, fmt.v.int4 // 2), K4=fmt.k.int4, K2=fmt.k.int2,
         V4=fmt.v.int4, V2=fmt.v.int2, D=d, KB=fmt.block_size, BLOCK_BYTES=fmt.block_bytes,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,

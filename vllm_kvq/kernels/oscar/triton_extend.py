@@ -57,7 +57,7 @@ def key_tile(block_n: int, head_size: int, block_size: int) -> int:
 
 
 @triton.jit
-def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, S, h, V: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
+def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, S: tl.constexpr, h, V: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr,
                 D: tl.constexpr, KB: tl.constexpr, KC: tl.constexpr, VC: tl.constexpr, NK: tl.constexpr,
                 NV: tl.constexpr, BLOCK_BYTES: tl.constexpr, STATE_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr):
     """Dequantized K (V=0) or V (1) rows of positions ``n0 .. n0 + BLOCK_N``
@@ -110,7 +110,7 @@ def _quant_rows(n0, ok, row, cache_u8, cache_i32, fill, S, h, V: tl.constexpr, W
 
 
 @triton.jit
-def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_h, S, h,
+def _bf16_rows(pos, ok, ctx, qstart, row, cache_bf16, new_ptr, stride_t, stride_h, S: tl.constexpr, h,
                V: tl.constexpr, D: tl.constexpr, BLOCK_BYTES: tl.constexpr,
                SINK: tl.constexpr, RING: tl.constexpr, ROWS: tl.constexpr):
     """K (V=0) or V (1) BF16 rows of ``pos`` as ``[BLOCK_N, D]`` fp16: ring
@@ -158,7 +158,7 @@ def _step_rows(step, KB: tl.constexpr, BLOCK_N: tl.constexpr):
 def _extend_kernel(q_ptr, stride_qt, stride_qh, k_ptr, stride_kt, stride_kh, v_ptr, stride_vt, stride_vh,
                    tiles_ptr, bt_ptr, bt_stride, cache_u8, cache_i32, cache_bf16, kfill, vfill,
                    out_ptr, stride_ot, stride_oh,
-                   S, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
+                   S: tl.constexpr, GROUP: tl.constexpr, HEADS: tl.constexpr, D: tl.constexpr,
                    K4: tl.constexpr, K2: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,
                    KB: tl.constexpr, SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr,
                    STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
@@ -297,7 +297,7 @@ def extend_attention(
         kv_cache, kv_cache.view(torch.int32), kv_cache.view(torch.bfloat16),
         fill_tensor(fills[0], fmt.k.zero, q.device), fill_tensor(fills[1], fmt.v.zero, q.device),
         out, out.stride(0), out.stride(1),
-        fmt.block_stride(kv_cache), GROUP=group, HEADS=heads, D=d, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
+        S=fmt.block_stride(kv_cache), GROUP=group, HEADS=heads, D=d, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
         KB=fmt.block_size, SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1),
         STATE_BLOCKS=fmt.state_blocks, ROWS=fmt.state_rows_per_block,
         BLOCK_M=BLOCK_M, BLOCK_N=key_tile(lc["block_n"], d, fmt.block_size), num_warps=lc["num_warps"],

@@ -201,10 +201,10 @@ def _store_codes(cache_u8, base, off, live, codes, BYTE0: tl.constexpr, NB: tl.c
 def _store_kernel(
     k_ptr, v_ptr, rot_ptr, k_out_ptr,
     pos_ptr, req_ptr, end_ptr, slot_ptr, bt_ptr, bt_stride,
-    cache_u8, block_stride,
+    cache_u8,
     n_tokens, k_clip_above, v_clip_above,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    H: tl.constexpr, D: tl.constexpr, KB: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, KB: tl.constexpr, S: tl.constexpr,
     K4: tl.constexpr, K2: tl.constexpr, V4: tl.constexpr, V2: tl.constexpr,
     SINK: tl.constexpr, WINDOW: tl.constexpr, RING: tl.constexpr, STATE_BLOCKS: tl.constexpr, ROWS: tl.constexpr,
     ROTATE: tl.constexpr, ROT_PARTS: tl.constexpr, DATA: tl.constexpr, STATE: tl.constexpr,
@@ -266,7 +266,7 @@ def _store_kernel(
     if DATA:
         blk = tl.load(row + STATE_BLOCKS + pos // KB, mask=live, other=0).to(tl.int64)
         off = pos % KB
-        base = blk * block_stride + h * BLOCK_BYTES
+        base = blk * S + h * BLOCK_BYTES
         k_pairs = (cache_u8 + base + KB * (KC + VC) + off * (4 * NK)).to(tl.pointer_type(tl.int32))
         v_pairs = (cache_u8 + base + KB * (KC + VC + 4 * NK) + off * (4 * NV)).to(tl.pointer_type(tl.int32))
         if K2 + V2 > 0:
@@ -313,7 +313,7 @@ def _store_kernel(
         keep = live & ((pos < SINK) | (pos >= tl.maximum(end - WINDOW, SINK)))
         slot = tl.where(pos < SINK, pos, SINK + (pos - SINK) % RING)
         sblk = tl.load(row + slot // ROWS, mask=keep, other=0).to(tl.int64)
-        srow = cache_u8.to(tl.pointer_type(tl.int16)) + (sblk * block_stride + h * BLOCK_BYTES + (slot % ROWS) * (4 * D)) // 2
+        srow = cache_u8.to(tl.pointer_type(tl.int16)) + (sblk * S + h * BLOCK_BYTES + (slot % ROWS) * (4 * D)) // 2
         d = tl.arange(0, D)
         tl.store(srow[:, None] + d[None, :], tl.load(k_rows[:, None] + d[None, :], mask=keep[:, None]),
                  mask=keep[:, None])
@@ -453,9 +453,9 @@ def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_m
         kb, vb, k_rotation if rotate else kb, k_out,
         seq_end if decode else positions, seq_end if decode else request, seq_end,
         seq_end if slot_mapping is None else slot_mapping, block_table, block_table.stride(0),
-        kv_cache, block_stride, n, entries_above_clip(k_clip, fmt.k.int2), entries_above_clip(v_clip, fmt.v.int2),
+        kv_cache, n, entries_above_clip(k_clip, fmt.k.int2), entries_above_clip(v_clip, fmt.v.int2),
         kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
-        H=h, D=d, KB=fmt.block_size, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
+        H=h, D=d, KB=fmt.block_size, S=block_stride, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
         SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
         ROWS=fmt.state_rows_per_block, ROTATE=rotate, ROT_PARTS=k_rotation.shape[0] if rotate else 1,
         DATA=data, STATE=state, T=rows, ASM=_compiled(k), DECODE=decode, SLOTS=slot_mapping is not None,
