@@ -67,6 +67,8 @@ done
 [[ $steps == *" check "* ]] && need check examples/artifacts/house-qwen3-oscar/manifest.json "the calibrated artifact"
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || true
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
+# the serving job's memory share: 0.15 of an H200 (141 GB); an 80 GB card needs 0.2 for BF16 to hold a 33K request
+E2E_MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 < 100000) ? 0.2 : 0.15}')
 if [[ $steps == *" tests "* ]]; then
   OSCAR_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_oscar_triton.py \
     > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
@@ -92,11 +94,11 @@ if [[ $steps == *" graphs "* ]]; then
   [ -f "$OUT/cuda_graph_check.json" ] && cat "$OUT/cuda_graph_check.json" || tail -40 "$OUT/cuda_graph_check.log"
 fi
 if [[ $steps == *" e2e "* ]]; then
-  timeout 560 python3 -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 12 --gpu-mem 0.15 \
+  timeout 560 python3 -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 12 --gpu-mem $E2E_MEM \
     --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e rc=$?"
 fi
 if [[ $steps == *" e2e-graphs "* ]]; then
-  timeout 560 python3 -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 18 --gpu-mem 0.15 \
+  timeout 560 python3 -m benchmarks.oscar_vllm_e2e --prompt-len 32768 --gen 512 --requests 18 --gpu-mem $E2E_MEM \
     --cuda-graphs --timeout-s 270 --json "$OUT/oscar_vllm_e2e.json" 2>&1 | grep -v "INFO\|WARNING" | tail -20; echo "e2e graphs rc=$?"
 fi
 if [[ $steps == *" state "* ]]; then
