@@ -10,7 +10,8 @@ replayed from CUDA graphs, so launch gaps do not count.
 
 * ``op``: one GDN layer at batch 512, K = V = 128: house-qwen3next (4 value
   heads, 2 key heads) and a Qwen3.5-27B-like layer (48 / 16), each with an @6
-  and an @4 width plan. The foreground alone (the layer's critical path; its
+  and an @4 width plan, and the 27B-like @6 plan with the rowwise fit (one
+  absmax scale per key row: about half the writeback's instructions). The foreground alone (the layer's critical path; its
   launch shapes swept), the writeback alone (swept), and the two in a row.
 * ``overlap``: 8 decoder layers of the 27B-like model at batch 512 (three GDN
   layers to one full-attention layer, as Qwen3.5) in one CUDA graph: bf16
@@ -52,7 +53,8 @@ BEGIN, END = "<!-- kernels:begin -->", "<!-- kernels:end -->"
 SHAPES = {
     "house-qwen3next": (4, 2, {"@6": (4, 6, 6, 8), "@4": (2, 4, 4, 6)}),
     "qwen3.5-27b-like": (48, 16, {"@6": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,),
-                                  "@4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,)}),
+                                  "@4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,),
+                                  "@6 rowwise": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,)}),
 }
 FG_LAUNCHES = [  # most wanted first; later ones are skipped past the time budget
     {"fg_tile": 32, "fg_tiles": 4, "fg_warps": 4},
@@ -72,7 +74,8 @@ class Setup:
         self.smoke = smoke
         self.dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.batch, self.kd = (4, 32) if smoke else (512, 128)
-        self.shapes = ({"toy": (4, 2, {"@6": (4, 6, 16, 8), "@4": (2, 4, 6, 4)})} if smoke else SHAPES)
+        self.shapes = ({"toy": (4, 2, {"@6": (4, 6, 16, 8), "@4": (2, 4, 6, 4), "@6 rowwise": (4, 6, 16, 8)})}
+                       if smoke else SHAPES)
         self.model = (dict(MODEL, hidden=64, mlp=96, heads=4, key_heads=2, attn_heads=2, kv_heads=1, attn_dim=32,
                            context=16, layers=4) if smoke else MODEL)
 
@@ -137,7 +140,13 @@ def prepared(mixed, a, b, a_log, dt_bias, hk: int, kd: int):
     return q, k, x[:, 2 * hk * kd :].view(n, -1, kd), g, torch.sigmoid(b.float())
 
 
-def packed_pool(su: Setup, bits: tuple, h: int, gen: torch.Generator):
+def fit_of(plan_name: str) -> str:
+    """A plan named ``... rowwise`` refits one absmax scale per key row (the
+    cheaper writeback), the others the STEPQuant fit."""
+    return "rowwise" if plan_name.endswith("rowwise") else "stepquant"
+
+
+def packed_pool(su: Setup, bits: tuple, h: int, gen: torch.Generator, fit: str = "stepquant"):
     """A pool of valid records (realistic fitted states) for the batch, slot 0 unused."""
     from vllm_kvq.kernels.stepquant import reference as ref
     from vllm_kvq.kernels.stepquant.format import StateLayout
@@ -150,7 +159,7 @@ def packed_pool(su: Setup, bits: tuple, h: int, gen: torch.Generator):
         m = min(64, su.batch - lo)
         rows = torch.rand(1, h, su.kd, 1, device=su.dev, generator=gen) + 0.1
         x = torch.randn(m, h, su.kd, su.kd, device=su.dev, generator=gen) * rows
-        pool[1 + lo : 1 + lo + m] = ref.encode(x, lay, w)
+        pool[1 + lo : 1 + lo + m] = ref.encode(x, lay, w, fit)
     return lay, w, pool
 
 
@@ -181,8 +190,9 @@ def op_section(su: Setup, budget_s: float) -> dict:
         fp32_ms = entry.get("fp32_vllm_ms", entry["fp32_triton_ms"])
         entry["state_bytes_fp32"] = 4 * h * kd * kd
         for plan_name, bits in plans.items():
-            lay, w, pool = packed_pool(su, bits, h, gen)
-            plan = ts.StepPlan(lay, w, su.dev)
+            fit = fit_of(plan_name)
+            lay, w, pool = packed_pool(su, bits, h, gen, fit)
+            plan = ts.StepPlan(lay, w, su.dev, fit)
             qkv = (raw[0][:, : hk * kd].unflatten(1, (hk, kd)), raw[0][:, hk * kd : 2 * hk * kd].unflatten(1, (hk, kd)),
                    raw[0][:, 2 * hk * kd :].unflatten(1, (h, kd)))
             o = torch.empty(n, h, kd, device=su.dev, dtype=torch.bfloat16)
@@ -194,7 +204,7 @@ def op_section(su: Setup, budget_s: float) -> dict:
             # the step against the reference at this shape (a few requests)
             sel = idx[:4]
             o_want, r_want = ref.step(pool[sel.long()], lay, w, q[:4].repeat_interleave(h // hk, 1),
-                                      k[:4].repeat_interleave(h // hk, 1), v[:4], g[:4], beta[:4])
+                                      k[:4].repeat_interleave(h // hk, 1), v[:4], g[:4], beta[:4], fit=fit)
             one = pool.clone()
             o_got = ts.step_(one, sel, plan, q[:4], k[:4], v[:4], g[:4], beta[:4])
             check = {"out_max_rel_err": float((o_got.cpu() - o_want.cpu()).abs().max() / o_want.abs().max().cpu()),
@@ -333,8 +343,8 @@ def overlap_section(su: Setup, launch: dict | None) -> dict:
     for plan_name, bits in widths.items():
         pools, decoders, serial = [], [], []
         for _ in range(gdn_layers):
-            lay, w, pool = packed_pool(su, bits, h, gen)
-            layer = LayerPool(lay, w, "stepquant", torch.float32)
+            lay, w, pool = packed_pool(su, bits, h, gen, fit_of(plan_name))
+            layer = LayerPool(lay, w, fit_of(plan_name), torch.float32)
             pools.append(pool)
             decoders.append(PackedDecoder(layer, su.dev, hk, n))
             serial.append(PackedDecoder(layer, su.dev, hk, n))
