@@ -178,9 +178,9 @@ def findings(saved: dict[str, dict]) -> list[str]:
 
 def kernel_findings(results: dict) -> list[str]:
     """Each variant run through both kernels: the two rows side by side."""
-    pairs = [name[: -len(", reference ops")] for name in results if name.endswith(", reference ops")]
-    lines = [f"* **{base}**: reference ops {_delta(results, base + ', reference ops')}; Triton kernels "
-             f"{_delta(results, base + ', Triton kernels')}." for base in pairs if base + ", Triton kernels" in results]
+    bases = dict.fromkeys(name.rsplit(", ", 1)[0] for name in results)
+    lines = [f"* **{base}**: " + "; ".join(f"{how} {_delta(results, f'{base}, {how}')}" for how in KERNEL_ROWS) + "."
+             for base in bases if all(f"{base}, {how}" in results for how in KERNEL_ROWS)]
     return lines + [""] if lines else []
 
 
@@ -274,9 +274,10 @@ def run_model(args: argparse.Namespace) -> None:
     rows = variants(args.model)
     args.variants = args.variants or list(rows)
     if args.both_kernels:  # each OSCAR row twice: the PyTorch reference ops and the Triton kernels
-        rows = {f"{name}, {how}": ({**rows[name], "kernels": kernels} if rows[name] else None)
-                for name in args.variants for how, kernels in KERNEL_ROWS.items()} | {"bf16": None}
-        args.variants = ["bf16"] * ("bf16" in args.variants) + [n for n in rows if n != "bf16" and rows[n]]
+        twins = {f"{name}, {how}": {**rows[name], "kernels": kernels}
+                 for name in args.variants if rows[name] for how, kernels in KERNEL_ROWS.items()}
+        args.variants = [n for n in args.variants if not rows[n]] + list(twins)
+        rows |= twins
     suffix = f"-{args.label}" if args.label else ""
     import torch
 
