@@ -212,6 +212,13 @@ class PagedFormat:
         """R: blocks per request that hold the BF16 sink and window."""
         return -(-self.state_slots // self.state_rows_per_block)
 
+    def check_query_len(self, query_len: int) -> None:
+        """A step's query tokens a request write their BF16 rows before any is
+        read, so past the first they need the ring's spare slots."""
+        if query_len > 1 + self.ring_slack:
+            raise ValueError(f"{query_len} query tokens a request need a ring of W + {query_len - 1} slots, "
+                             f"the format has W + {self.ring_slack}")
+
     def bits_per_element(self, context_len: int) -> float:
         """Effective KV bits per element at a context length, state included."""
         quant = context_len * self.bytes_per_token

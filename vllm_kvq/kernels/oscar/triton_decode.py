@@ -663,9 +663,7 @@ def decode_attention(
     group = hq // h
     if fmt.block_size < 16:
         raise ValueError(f"OSCAR Triton decode needs block_size >= 16, got {fmt.block_size}")
-    if query_len > 1 + fmt.ring_slack:
-        raise ValueError(f"{query_len} query tokens a request need a ring of W + {query_len - 1} slots, "
-                         f"the format has W + {fmt.ring_slack}")
+    fmt.check_query_len(query_len)
     if b == 0:
         return out
     if q.stride(2) != 1:

@@ -30,9 +30,8 @@ import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
-from vllm_kvq.kernels.oscar.triton_decode import _page_base, fill_tensor, page_step, softmax_step
+from vllm_kvq.kernels.oscar.triton_decode import LOG2E, _page_base, fill_tensor, page_step, softmax_step
 
-LOG2E = 1.4426950408889634
 BLOCK_M = 16  # query tokens per tile
 # rows: query rows (tokens x heads) per program; the best of the H200 sweep at head size 128
 LAUNCH = {"rows": 64, "block_n": 64, "num_warps": 4}

@@ -32,13 +32,12 @@ tokens a step), addressed ``S0 + (p - S0) mod ring`` as in the reference.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from vllm_kvq.kernels.oscar.format import OscarFormat
+from vllm_kvq.kernels.oscar.triton_decode import _compiled
 
 
 def default_launch(head_size: int, decode: bool = False) -> dict:
@@ -46,15 +45,6 @@ def default_launch(head_size: int, decode: bool = False) -> dict:
     rows at D = 128), half that for a decode step, whose few tokens fill more
     programs; at least the 16 rows the tensor-core rotation takes."""
     return {"num_warps": 4, "rows": max((2048 if decode else 4096) // head_size, 16)}
-
-
-def _compiled(x: torch.Tensor) -> bool:
-    """True where Triton compiles for a GPU (not in its interpreter)."""
-    return x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
-
-
-def _pow2(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
 
 
 @triton.jit
@@ -357,6 +347,8 @@ def store_tokens(
     data: bool = True,
     state: bool = True,
     launch: dict | None = None,
+    slot_mapping: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
     """Rotate ``k`` (``[N, H, D]``, unrotated) by ``k_rotation`` (the
     :func:`rotation_parts` of R_K, or None) and store ``k, v`` of every token in
@@ -370,9 +362,44 @@ def store_tokens(
     ``launch``: ``{"num_warps", "rows"}`` over :func:`default_launch`. A
     multi-token chunk stores its quantized rows, attends, then stores its BF16
     rows: its early queries still need the ring rows its later tokens overwrite.
+    Without ``positions`` and ``request``: :func:`store_decode_tokens`.
     """
-    return _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, None, block_table,
-                   k_clip, v_clip, data, state, launch)
+    n, h, d = k.shape
+    block_stride = fmt.block_stride(kv_cache)
+    why = check_shapes(d)
+    if why:
+        raise ValueError(why)
+    if k_rotation is not None and (k_rotation.dim() != 4 or k_rotation.dtype != torch.bfloat16):
+        raise ValueError("store_tokens takes R_K as rotation_parts(R_K): [parts, H, D, D] bf16")
+    if n == 0:
+        return k
+    decode = positions is None
+    lc = {**default_launch(d, decode), **(launch or {})}
+    rows = lc.pop("rows")
+    rotate = k_rotation is not None
+    if rotate and (k.dtype != torch.bfloat16 or rows < 16):
+        # keys that are not bf16 are rotated in fp32 first, as the reference
+        # does (the fused rotation is exact for bf16 keys only); so are tiles
+        # below the tensor cores' 16 rows
+        k_out = torch.einsum("thd,hde->the", k.float(), k_rotation.float().sum(0)).to(torch.bfloat16)
+        store_tokens(kv_cache, fmt, k_out, v, None, positions, request, seq_end, block_table, k_clip, v_clip, data,
+                     state, launch, slot_mapping, query_len)
+        return k_out
+    kb, vb = _bf16_rows(k), _bf16_rows(v)
+    k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
+    _store_kernel[(triton.cdiv(n, rows), h)](
+        kb, vb, k_rotation if rotate else kb, k_out,
+        seq_end if decode else positions, seq_end if decode else request, seq_end,
+        seq_end if slot_mapping is None else slot_mapping, block_table, block_table.stride(0),
+        kv_cache, n, entries_above_clip(k_clip, fmt.k.int2), entries_above_clip(v_clip, fmt.v.int2),
+        kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
+        H=h, D=d, KB=fmt.block_size, S=block_stride, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
+        SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
+        ROWS=fmt.state_rows_per_block, ROTATE=rotate, ROT_PARTS=k_rotation.shape[0] if rotate else 1,
+        DATA=data, STATE=state, T=rows, ASM=_compiled(k), DECODE=decode, SLOTS=slot_mapping is not None,
+        Q=query_len, **lc,
+    )
+    return k_out
 
 
 def store_decode_tokens(
@@ -403,11 +430,9 @@ def store_decode_tokens(
     and, with ``slot_mapping``, tokens whose slot is negative (vLLM's padding
     and dummy batches) write nothing.
     """
-    if query_len > 1 + fmt.ring_slack:
-        raise ValueError(f"{query_len} query tokens a request need a ring of W + {query_len - 1} slots, "
-                         f"the format has W + {fmt.ring_slack}")
-    return _launch(kv_cache, fmt, k, v, k_rotation, None, None, seq_lens, slot_mapping, block_table,
-                   k_clip, v_clip, True, True, launch, query_len)
+    fmt.check_query_len(query_len)
+    return store_tokens(kv_cache, fmt, k, v, k_rotation, None, None, seq_lens, block_table, k_clip, v_clip,
+                        launch=launch, slot_mapping=slot_mapping, query_len=query_len)
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
@@ -423,42 +448,3 @@ def check_shapes(head_size: int) -> str | None:
         return f"the Triton kernels need a power-of-two head size >= 32, got {head_size}"
     return None
 
-
-def _launch(kv_cache, fmt, k, v, k_rotation, positions, request, seq_end, slot_mapping, block_table,
-            k_clip, v_clip, data, state, launch, query_len=1) -> torch.Tensor:
-    n, h, d = k.shape
-    block_stride = fmt.block_stride(kv_cache)
-    why = check_shapes(d)
-    if why:
-        raise ValueError(why)
-    if k_rotation is not None and (k_rotation.dim() != 4 or k_rotation.dtype != torch.bfloat16):
-        raise ValueError("store_tokens takes R_K as rotation_parts(R_K): [parts, H, D, D] bf16")
-    if n == 0:
-        return k
-    decode = positions is None
-    lc = {**default_launch(d, decode), **(launch or {})}
-    rows = lc.pop("rows")
-    rotate = k_rotation is not None
-    if rotate and (k.dtype != torch.bfloat16 or rows < 16):
-        # keys that are not bf16 are rotated in fp32 first, as the reference
-        # does (the fused rotation is exact for bf16 keys only); so are tiles
-        # below the tensor cores' 16 rows
-        k_out = torch.einsum("thd,hde->the", k.float(), k_rotation.float().sum(0)).to(torch.bfloat16)
-        _launch(kv_cache, fmt, k_out, v, None, positions, request, seq_end, slot_mapping, block_table,
-                k_clip, v_clip, data, state, launch, query_len)
-        return k_out
-    kb, vb = _bf16_rows(k), _bf16_rows(v)
-    k_out = torch.empty(n, h, d, dtype=torch.bfloat16, device=k.device) if rotate else k
-    _store_kernel[(triton.cdiv(n, rows), h)](
-        kb, vb, k_rotation if rotate else kb, k_out,
-        seq_end if decode else positions, seq_end if decode else request, seq_end,
-        seq_end if slot_mapping is None else slot_mapping, block_table, block_table.stride(0),
-        kv_cache, n, entries_above_clip(k_clip, fmt.k.int2), entries_above_clip(v_clip, fmt.v.int2),
-        kb.stride(0), kb.stride(1), vb.stride(0), vb.stride(1),
-        H=h, D=d, KB=fmt.block_size, S=block_stride, K4=fmt.k.int4, K2=fmt.k.int2, V4=fmt.v.int4, V2=fmt.v.int2,
-        SINK=fmt.sink, WINDOW=fmt.window, RING=max(fmt.ring, 1), STATE_BLOCKS=fmt.state_blocks,
-        ROWS=fmt.state_rows_per_block, ROTATE=rotate, ROT_PARTS=k_rotation.shape[0] if rotate else 1,
-        DATA=data, STATE=state, T=rows, ASM=_compiled(k), DECODE=decode, SLOTS=slot_mapping is not None,
-        Q=query_len, **lc,
-    )
-    return k_out
