@@ -118,14 +118,21 @@ def calibrate(argv: list[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     a = ap.parse_args(argv)
-    if a.stepquant:
-        _calibrate_stepquant(a)
-        return
-    if a.pivot_fraction is not None or a.horizon is not None or a.snapshots is not None:
+    stepquant = {"pivot_fraction": a.pivot_fraction, "horizon": a.horizon, "snapshots": a.snapshots}
+    if not a.stepquant and any(v is not None for v in stepquant.values()):
         ap.error("--pivot-fraction, --horizon and --snapshots need --stepquant")
+    common = dict(tokens=a.tokens, seq_len=a.seq_len, device=a.device, dtype=a.dtype, tokenizer=a.tokenizer)
+    if a.stepquant:  # options left out take the calibration's own defaults
+        from vllm_kvq.artifacts.inspect import stepquant_summary
+        from vllm_kvq.artifacts.stepquant import StepQuantPlan
+        from vllm_kvq.calib.stepquant.calibrate import calibrate_stepquant
+
+        options = {k: v for k, v in {**common, **stepquant}.items() if v is not None}
+        print(stepquant_summary(StepQuantPlan.load(calibrate_stepquant(a.model, a.data, a.out, **options))))
+        return
     from vllm_kvq.artifacts import ArtifactError, OscarArtifact
     from vllm_kvq.artifacts.inspect import summary
-    from vllm_kvq.calib.calibrate import BYTES_PER_TOKEN, INT2
+    from vllm_kvq.calib.calibrate import INT2
     from vllm_kvq.calib.calibrate import calibrate as run
     from vllm_kvq.kernels.oscar.format import LayerTiers, TierError
 
@@ -133,30 +140,12 @@ def calibrate(argv: list[str]) -> None:
         if a.tiers is not None and a.bytes_per_token is not None:
             raise ArtifactError("--tiers fixes the plan, --bytes-per-token searches one; give one of them")
         tiers = None if a.tiers is None else INT2 if a.tiers == INT2 else LayerTiers.parse(a.tiers)
-        out = run(a.model, a.data, a.out, tokens=30000 if a.tokens is None else a.tokens, seq_len=a.seq_len,
-                  granularity=a.granularity, value_target=a.value_target, clip=a.clip, k_clip=a.k_clip,
-                  v_clip=a.v_clip, sink=a.sink, window=a.window, device=a.device, dtype=a.dtype,
-                  tokenizer=a.tokenizer, tiers=tiers,
-                  bytes_per_token=BYTES_PER_TOKEN if a.bytes_per_token is None else a.bytes_per_token)
+        options = {k: v for k, v in {**common, "bytes_per_token": a.bytes_per_token}.items() if v is not None}
+        out = run(a.model, a.data, a.out, granularity=a.granularity, value_target=a.value_target, clip=a.clip,
+                  k_clip=a.k_clip, v_clip=a.v_clip, sink=a.sink, window=a.window, tiers=tiers, **options)
     except (ArtifactError, TierError) as e:
         ap.error(str(e))
     print(summary(OscarArtifact.load(out)))
-
-
-def _calibrate_stepquant(a) -> None:
-    from vllm_kvq.artifacts.inspect import stepquant_summary
-    from vllm_kvq.artifacts.stepquant import StepQuantPlan
-    from vllm_kvq.calib.stepquant import allocate
-    from vllm_kvq.calib.stepquant.calibrate import TOKENS, calibrate_stepquant
-    from vllm_kvq.calib.stepquant.stats import RESERVOIR
-
-    out = calibrate_stepquant(
-        a.model, a.data, a.out, tokens=TOKENS if a.tokens is None else a.tokens, seq_len=a.seq_len,
-        pivot_fraction=allocate.PIVOT_FRACTION if a.pivot_fraction is None else a.pivot_fraction,
-        horizon=allocate.HORIZON if a.horizon is None else a.horizon,
-        snapshots=RESERVOIR if a.snapshots is None else a.snapshots, device=a.device, dtype=a.dtype,
-        tokenizer=a.tokenizer)
-    print(stepquant_summary(StepQuantPlan.load(out)))
 
 
 def inspect(argv: list[str]) -> None:

@@ -66,9 +66,8 @@ class OscarKVCacheManager(FullAttentionManager):
     def _hashes(self, block_hashes):
         return resolve_block_hashes(block_hashes, self.block_pool.hash_block_size, self.block_size)
 
-    def _checkpoint_at(self, data_block: KVCacheBlock):
-        return checkpoints.find(self.block_pool, get_block_hash(data_block.block_hash), self._state,
-                                self.kv_cache_group_id)
+    def _checkpoint(self, boundary: BlockHash):
+        return checkpoints.find(self.block_pool, boundary, self._state, self.kv_cache_group_id)
 
     # ---------------------------------------------------------------- lookup
     @classmethod
@@ -101,7 +100,8 @@ class OscarKVCacheManager(FullAttentionManager):
             num_local_computed_tokens, num_tokens_main_model + extra, *args, **kwargs,
         )
         if new_computed_blocks and request_id not in self.num_cached_block:
-            blocks += self._get_num_evictable_blocks(self._checkpoint_at(new_computed_blocks[-1]) or ())
+            blocks += self._get_num_evictable_blocks(
+                self._checkpoint(get_block_hash(new_computed_blocks[-1].block_hash)) or ())
         return blocks
 
     def add_local_computed_blocks(self, request_id, new_computed_blocks, num_local_computed_tokens,
@@ -111,7 +111,7 @@ class OscarKVCacheManager(FullAttentionManager):
         if not new_computed_blocks:
             return
         boundary = get_block_hash(new_computed_blocks[-1].block_hash)
-        checkpoint = checkpoints.find(self.block_pool, boundary, self._state, self.kv_cache_group_id)
+        checkpoint = self._checkpoint(boundary)
         if checkpoint is None:
             raise RuntimeError("OSCAR prefix hit without its window checkpoint (found by the lookup)")
         self.block_pool.touch(checkpoint)  # held until the copy has run (the CoW retention)
@@ -193,7 +193,7 @@ class OscarKVCacheManager(FullAttentionManager):
         previous = self._newest.get(req_id)
         if previous is not None and previous[0] == boundary:
             return
-        if checkpoints.find(self.block_pool, boundary, self._state, self.kv_cache_group_id) is not None:
+        if self._checkpoint(boundary) is not None:
             self._newest[req_id] = (boundary, computed)
             return
         if self.block_pool.get_num_free_blocks() < self._state + len(self.req_to_blocks):

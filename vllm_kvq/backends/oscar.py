@@ -162,7 +162,6 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
         # ring's k spare slots bound how many).
         self._init_reorder_batch_threshold(1, supports_spec_as_decode=self._triton)
         self._decode_max = 1 + settings.speculative_tokens if self._triton else 1
-        self._speculative = self._decode_max > 1
         # vLLM's host copy of the sequence lengths is exact without speculative decoding
         self._host_seq_lens_exact = getattr(vllm_config, "speculative_config", None) is None
 
@@ -180,7 +179,7 @@ class OscarMetadataBuilder(AttentionMetadataBuilder[OscarMetadata]):
                 seq_lens=m.seq_lens[:n].cpu().tolist(),
             )
         query_len = 1
-        if self._speculative:
+        if self._decode_max > 1:
             # decodes of one length (1 + drafts, or 1 where none were proposed),
             # then zero-length padding; the rest through the chunk path
             num_decodes, _, num_decode_tokens, _ = split_decodes_and_prefills(
@@ -297,16 +296,16 @@ class OscarImpl(AttentionImpl):
                 f"OSCAR artifact {self.artifact.source} has no rotation for layer {idx} ({layer_name})"
             )
         self._layer = idx
-        heads = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads)
+        heads, eye = local_kv_heads(self.num_kv_heads, self.artifact.num_kv_heads), torch.eye(self.head_size)
         self.k_rotation = self.artifact.rotation_for("k", idx, heads)
         self._k_parts = None
         if not SCHEMES[self.settings.scheme].rotates_keys:  # per-channel keys: a rotation would mix the channels
-            self.k_rotation = torch.eye(self.head_size).expand_as(self.k_rotation).contiguous()
+            self.k_rotation = eye.expand_as(self.k_rotation).contiguous()
         self.v_rotation = self.artifact.rotation_for("v", idx, heads)
         self.codec = LayerCodec(self.artifact.k_clip[idx], self.artifact.v_clip[idx], self.scale,
                                 tuple(self.artifact.fill_for(kind, idx, heads) for kind in "kv"))
-        self.k_identity = bool(torch.equal(self.k_rotation, torch.eye(self.head_size).expand_as(self.k_rotation)))
-        self.v_identity = bool(torch.equal(self.v_rotation, torch.eye(self.head_size).expand_as(self.v_rotation)))
+        self.k_identity, self.v_identity = (bool(torch.equal(r, eye.expand_as(r)))
+                                            for r in (self.k_rotation, self.v_rotation))
 
     def _format(self, kv_cache: torch.Tensor) -> PagedFormat:
         block_size = kv_cache.shape[2]
@@ -391,12 +390,9 @@ class OscarImpl(AttentionImpl):
         from vllm_kvq.kernels.oscar import triton_decode, triton_extend, triton_store
 
         table = md.block_table
-        if self.k_identity:
-            rot = None
-        else:
-            if self._k_parts is None:
-                self._k_parts = triton_store.rotation_parts(self.k_rotation)
-            rot = self._k_parts
+        if self._k_parts is None and not self.k_identity:
+            self._k_parts = triton_store.rotation_parts(self.k_rotation)
+        rot = self._k_parts  # None: keys stay as they are
         ql, n = md.decode_query_len, md.num_actual_tokens
         nd = md.num_decodes * ql  # decode query rows
         c = self._codec_on(q.device)

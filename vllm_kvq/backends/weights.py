@@ -75,9 +75,7 @@ def fold_value_rotations(model: nn.Module) -> int:
         with torch.no_grad():
             _rotate(qkv, rotate_v_rows, slice(v0, qkv.weight.shape[0]), slice(0, qkv.weight.shape[1]))
             if isinstance(bias := getattr(qkv, "bias", None), torch.Tensor):
-                for j, r in enumerate(r_v):
-                    b = bias.data[v0 + j * d : v0 + (j + 1) * d]
-                    b.copy_((b.float() @ r.to(b.device)).to(b.dtype))
+                rotate_v_rows(bias.data.unsqueeze(-1))  # as a column: b_v[head j] <- b_v[head j] R_j
             if not gated:
                 _rotate(o_proj, rotate_o_cols, slice(0, o_proj.weight.shape[0]), slice(0, hq * d))
         impl.v_absorbed, impl.unrotate_output = True, gated

@@ -25,16 +25,16 @@ def checkpoint_key(boundary: BlockHash, index: int, group_id: int):
     return make_block_hash_with_group_id(BlockHash(digest), group_id)
 
 
+def _cached(block_pool, boundary: BlockHash, num_blocks: int, group_id: int) -> list:
+    """The checkpoint's cached blocks in state-block order (None where evicted)."""
+    cache = block_pool.cached_block_hash_to_block
+    return [cache.get_one_block(checkpoint_key(boundary, i, group_id)) for i in range(num_blocks)]
+
+
 def find(block_pool, boundary: BlockHash, num_blocks: int, group_id: int):
     """The checkpoint's blocks in state-block order, or None unless all are cached."""
-    cache = block_pool.cached_block_hash_to_block
-    blocks = []
-    for i in range(num_blocks):
-        block = cache.get_one_block(checkpoint_key(boundary, i, group_id))
-        if block is None:
-            return None
-        blocks.append(block)
-    return blocks
+    blocks = _cached(block_pool, boundary, num_blocks, group_id)
+    return None if any(block is None for block in blocks) else blocks
 
 
 def register(block_pool, boundary: BlockHash, blocks, group_id: int) -> None:
@@ -47,14 +47,10 @@ def drop(block_pool, boundary: BlockHash, num_blocks: int, group_id: int) -> Non
     of the free queue, to be reused first: left where they were (the tail, as
     recently cached blocks) the next checkpoints would draw fresh blocks and
     push older cached blocks out."""
-    cache = block_pool.cached_block_hash_to_block
-    released = []
-    for i in range(num_blocks):
-        block = cache.get_one_block(checkpoint_key(boundary, i, group_id))
-        if block is not None and block.ref_cnt == 0:
-            block_pool._maybe_evict_cached_block(block)
-            block_pool.free_block_queue.remove(block)
-            released.append(block)
+    released = [b for b in _cached(block_pool, boundary, num_blocks, group_id) if b is not None and b.ref_cnt == 0]
+    for block in released:
+        block_pool._maybe_evict_cached_block(block)
+        block_pool.free_block_queue.remove(block)
     block_pool.free_block_queue.prepend_n(released)
 
 
@@ -81,7 +77,4 @@ _DEMAND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def demand(block_pool) -> Demand:
     """The demand record of one block pool (shared by its OSCAR groups)."""
-    record = _DEMAND.get(block_pool)
-    if record is None:
-        record = _DEMAND[block_pool] = Demand()
-    return record
+    return _DEMAND.setdefault(block_pool, Demand())
