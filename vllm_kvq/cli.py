@@ -188,8 +188,7 @@ def import_zoo(argv: list[str]) -> None:
     from vllm_kvq.artifacts.inspect import summary
     from vllm_kvq.calib.zoo import import_zoo as run
 
-    art = run(a.k, a.v, model_fingerprint(AutoConfig.from_pretrained(a.model)), a.k_clip, a.v_clip, a.out)
-    print(summary(art))
+    print(summary(run(a.k, a.v, model_fingerprint(AutoConfig.from_pretrained(a.model)), a.k_clip, a.v_clip, a.out)))
 
 
 def report(argv: list[str]) -> None:

@@ -154,10 +154,10 @@ class OscarArtifact:
             sizes[layer] = t.bytes_per_token
             for kind in "kv":
                 w0, name = getattr(t, kind).zero, f"{kind}_fill.{layer}"
-                if w0 and layer not in self.fill.get(kind, {}):
-                    raise ArtifactError(f"{where}: missing tensor {name!r}, the mean of layer {layer}'s 0-bit {kind} "
-                                        f"tier; re-run {container.MAKE[KIND]}")
                 if w0:
+                    if layer not in self.fill.get(kind, {}):
+                        raise ArtifactError(f"{where}: missing tensor {name!r}, the mean of layer {layer}'s 0-bit "
+                                            f"{kind} tier; re-run {container.MAKE[KIND]}")
                     container.checked(where, name, self.fill[kind][layer], (self.num_kv_heads, w0),
                                       f" ({self.num_kv_heads} KV heads, {w0} 0-bit columns)")
         if len(set(sizes.values())) > 1:

@@ -56,8 +56,7 @@ class OscarKVCacheManager(FullAttentionManager):
         self._newest: dict[str, tuple[BlockHash, int]] = {}  # each request's newest checkpoint and its position
         self._junction: dict[str, int] = {}  # where cached data blocks ran past a request's usable hit
         self._taken: list[tuple[BlockHash, list[KVCacheBlock], BlockHash | None]] = []  # copies queued this step
-        self._sharers: dict[BlockHash, set[str]] = {}  # running requests restored from each checkpoint
-        self._restored_from: dict[str, BlockHash] = {}
+        self._restored_from: dict[str, BlockHash] = {}  # the checkpoint each running request was restored from
         self._held: dict[BlockHash, list[KVCacheBlock]] = {}  # checkpoints pinned while shared
 
     def _extra_tokens(self) -> int:
@@ -119,9 +118,7 @@ class OscarKVCacheManager(FullAttentionManager):
         self._newest[request_id] = (boundary, num_local_computed_tokens)
         checkpoints.demand(self.block_pool).ask(boundary)  # hit once: worth keeping
         self._restored_from[request_id] = boundary
-        sharers = self._sharers.setdefault(boundary, set())
-        sharers.add(request_id)
-        if len(sharers) > 1 and boundary not in self._held:
+        if boundary not in self._held and list(self._restored_from.values()).count(boundary) > 1:
             # Several running requests share this prefix: keep its checkpoint
             # out of eviction while they run, so that more requests through it
             # (and preempted ones coming back) still hit.
@@ -231,11 +228,6 @@ class OscarKVCacheManager(FullAttentionManager):
         for bookkeeping in (self._newest, self._restores, self._junction):
             bookkeeping.pop(request_id, None)
         boundary = self._restored_from.pop(request_id, None)
-        if boundary is not None:
-            sharers = self._sharers[boundary]
-            sharers.discard(request_id)
-            if not sharers:
-                del self._sharers[boundary]
-                if boundary in self._held:
-                    self.block_pool.free_blocks(self._held.pop(boundary))
+        if boundary in self._held and boundary not in self._restored_from.values():  # its last sharer is done
+            self.block_pool.free_blocks(self._held.pop(boundary))
         return super().pop_blocks_for_free(request_id)

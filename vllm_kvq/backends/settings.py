@@ -118,8 +118,7 @@ _cached: OscarSettings | None = None
 def from_vllm_config(vllm_config) -> OscarSettings:
     """Parse (and cache for this process) the settings of a VllmConfig."""
     global _cached
-    speculative = getattr(vllm_config, "speculative_config", None)
-    drafts = (getattr(speculative, "num_speculative_tokens", None) or 0) if speculative is not None else 0
+    drafts = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
     raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
     _cached = dataclasses.replace(OscarSettings.from_dict(raw), speculative_tokens=drafts)
     return _cached

@@ -10,7 +10,7 @@ from vllm.platforms import current_platform
 from vllm_kvq.artifacts.fingerprint import head_dim, text_config
 from vllm_kvq.backends import settings as kvq_settings
 from vllm_kvq.backends.oscar import uses_triton
-from vllm_kvq.backends.resolve import cache_plan, page_format, resolve_artifact
+from vllm_kvq.backends.resolve import cache_plan, page_format, pool_plan, resolve_artifact
 from vllm_kvq.backends.schemes import SCHEMES
 
 logger = init_logger("vllm." + __name__)
@@ -68,8 +68,6 @@ def check_oscar_config(vllm_config) -> None:
 
 def check_state_config(vllm_config) -> None:
     """``kvq.state``: a GDN hybrid, no speculative decoding, no prefix caching."""
-    from vllm_kvq.backends.resolve import pool_plan
-
     s = kvq_settings.from_vllm_config(vllm_config)
     if s.state is None:
         return

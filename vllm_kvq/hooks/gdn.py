@@ -58,18 +58,12 @@ def _patch_gdn_layer(module) -> None:
         orig_init(self, *args, **kwargs)
         layer_pool(self)
 
-    @functools.wraps(orig_shape)
-    def get_state_shape(self):
-        shapes = orig_shape(self)
+    def record_bytes(self):
         pool = layer_pool(self)
-        return shapes if pool is None else (shapes[0], (pool.layout.size,))
+        return None if pool is None else pool.layout.size
 
-    @functools.wraps(orig_dtype)
-    def get_state_dtype(self):
-        dtypes = orig_dtype(self)
-        return dtypes if layer_pool(self) is None else (dtypes[0], torch.uint8)
-
-    cls.__init__, cls.get_state_shape, cls.get_state_dtype = __init__, get_state_shape, get_state_dtype
+    cls.__init__ = __init__
+    cls.get_state_shape, cls.get_state_dtype = _packed(orig_shape, orig_dtype, record_bytes)
     cls._kvq_native_dtypes = orig_dtype
     cls._forward_core = staged_forward_core(cls._forward_core)
 
@@ -83,30 +77,37 @@ def _patch_gdn_model_classes(module, names) -> None:
     from vllm_kvq.backends import settings as kvq_settings
     from vllm_kvq.backends.resolve import pool_plan
 
-    def plan_of(vllm_config):
+    def record_bytes(klass, vllm_config):
         s = kvq_settings.from_vllm_config(vllm_config)
-        return pool_plan(s, vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+        plan = pool_plan(s, vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
+        return None if plan is None else plan.record_bytes
 
     for name in names:
         cls = getattr(module, name, None)
         if cls is None or "get_mamba_state_shape_from_config" not in cls.__dict__:
             continue
-        orig_shape = cls.get_mamba_state_shape_from_config.__func__
-        orig_dtype = cls.get_mamba_state_dtype_from_config.__func__
-
-        def shape(klass, vllm_config, _orig=orig_shape):
-            shapes = _orig(klass, vllm_config)
-            plan = plan_of(vllm_config)
-            return shapes if plan is None else (shapes[0], (plan.record_bytes,))
-
-        def dtype(klass, vllm_config, _orig=orig_dtype):
-            dtypes = _orig(klass, vllm_config)
-            return dtypes if plan_of(vllm_config) is None else (dtypes[0], torch.uint8)
-
-        cls.get_mamba_state_shape_from_config = classmethod(functools.wraps(orig_shape)(shape))
-        cls.get_mamba_state_dtype_from_config = classmethod(functools.wraps(orig_dtype)(dtype))
+        getters = _packed(cls.get_mamba_state_shape_from_config.__func__,
+                          cls.get_mamba_state_dtype_from_config.__func__, record_bytes)
+        cls.get_mamba_state_shape_from_config, cls.get_mamba_state_dtype_from_config = map(classmethod, getters)
         if "forward" in cls.__dict__:
             cls.forward = _joining(cls.forward)
+
+
+def _packed(orig_shape, orig_dtype, record_bytes):
+    """State shape and dtype getters that declare the recurrent state as
+    ``record_bytes(...)`` uint8 bytes (None: vLLM's own) beside the conv state."""
+
+    @functools.wraps(orig_shape)
+    def shape(*args):
+        shapes, size = orig_shape(*args), record_bytes(*args)
+        return shapes if size is None else (shapes[0], (size,))
+
+    @functools.wraps(orig_dtype)
+    def dtype(*args):
+        dtypes = orig_dtype(*args)
+        return dtypes if record_bytes(*args) is None else (dtypes[0], torch.uint8)
+
+    return shape, dtype
 
 
 def _joining(forward):

@@ -129,10 +129,8 @@ class PageViews:
 
         self.k_codes = region(0, kc).unflatten(-1, (kb, kc))
         self.v_codes = region(fmt.v_codes_offset, vc).unflatten(-1, (vc, kb)).transpose(-1, -2)
-        self.k_pairs = region(fmt.k_pairs_offset, 4 * fmt.k.stored).view(torch.float16).unflatten(
-            -1, (kb, fmt.k.stored, 2))
-        self.v_pairs = region(fmt.v_pairs_offset, 4 * fmt.v.stored).view(torch.float16).unflatten(
-            -1, (kb, fmt.v.stored, 2))
+        self.k_pairs, self.v_pairs = (region(at, 4 * t.stored).view(torch.float16).unflatten(-1, (kb, t.stored, 2))
+                                      for at, t in ((fmt.k_pairs_offset, fmt.k), (fmt.v_pairs_offset, fmt.v)))
         self.state = state_rows(kv_cache, fmt)
 
 

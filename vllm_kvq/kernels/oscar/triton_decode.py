@@ -55,8 +55,8 @@ def live_registers(fmt: OscarFormat, group: int, tile: int, num_warps: int) -> f
     the tensor cores' 8."""
     gp = triton.next_power_of_2(group)
     kn, vn = max(fmt.k.stored * gp, 8), max(fmt.v.stored * gp, 8)
-    k_planes = sum(n * planes for _, n, planes, _ in row_pieces(fmt.k.code_bytes, fmt.k.int4 // 2))
-    v_planes = sum(n * planes for _, n, planes, _ in row_pieces(fmt.v.code_bytes, fmt.v.int4 // 2))
+    k_planes, v_planes = (sum(n * planes for _, n, planes, _ in row_pieces(t.code_bytes, t.int4 // 2))
+                          for t in (fmt.k, fmt.v))
     return (k_planes * kn / 2 + v_planes * vn + 1.5 * tile * kn) / (32 * num_warps)
 
 
