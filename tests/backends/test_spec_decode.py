@@ -194,12 +194,46 @@ def test_eagle3_rejected_drafts_leave_the_tokens(tmp_path, greedy, engines):
     assert [o.outputs[0].token_ids for o in eagle3] == [o.outputs[0].token_ids for o in plain]
 
 
-def test_triton_kernels_with_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
-    """EAGLE-3's BF16 draft layer shares the block pool, so vLLM pads every
-    OSCAR block to the BF16 page size: the Triton kernels (the interpreter
-    here) must address blocks by the pages' stride. Greedy tokens equal the
-    reference ops' without speculation (fp32, the random head's drafts all
-    rejected)."""
+def _unified_pages(cfg):
+    """OSCAR's spec of a target layer and vLLM's of the draft's, as vLLM's
+    allocator unifies them into one block pool."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.core.kv_cache_utils import unify_kv_cache_spec_page_size
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from vllm_kvq.backends.oscar import OscarBackend
+
+    full = FullAttentionSpec(block_size=cfg.cache_config.block_size, num_kv_heads=2, head_size=128,
+                             dtype=torch.float32)
+    with set_current_vllm_config(cfg):
+        target = OscarBackend.customize_spec(full)
+    return unify_kv_cache_spec_page_size({"target": target, "draft": full})
+
+
+def test_draft_layers_share_the_pool_unpadded(tmp_path):
+    """An EAGLE-3 head's fp32 layer (2 KV heads of 128: 2,048 B a token) and
+    OSCAR INT2 (144 B a token) in one pool: OSCAR's blocks grow to the first
+    whole number of draft pages and vLLM grows the draft's blocks to match, so
+    neither page is padded (padded OSCAR pages held 7x fewer tokens)."""
+    from tests.conftest import engine_config
+
+    spec = {"method": "eagle3", "model": _eagle3_head(tmp_path), "num_speculative_tokens": DRAFTS}
+    cfg = engine_config(oscar=KVQ, speculative_config=spec, **ENGINE)
+    block = cfg.cache_config.block_size
+    assert block == 32  # the smallest block both OSCAR (16) and the draft's CPU_ATTN (32) take
+    oscar_tokens = next(b for b in range(block, 1 << 20, block) if b * 144 % (block * 2048) == 0)
+    specs = _unified_pages(cfg)
+    assert specs["target"].block_size == oscar_tokens == 4096
+    assert specs["draft"].block_size == oscar_tokens * 144 // 2048 == 288
+    assert specs["target"].page_size_bytes == specs["draft"].page_size_bytes == 4096 * 144
+    assert specs["target"].page_size_padded is None and specs["draft"].page_size_padded is None
+
+
+def test_triton_kernels_beside_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
+    """EAGLE-3's draft layer shares the block pool, OSCAR's blocks sized to a
+    whole number of its pages: the Triton kernels (the interpreter here) on
+    those blocks give the reference ops' greedy tokens without speculation
+    (fp32, the random head's drafts all rejected), on unpadded pages."""
     pytest.importorskip("triton")
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
     prompts = ["def add(a, b):\n    return a + b\n\n" * 3 + "def add3(a, b, c):"]
@@ -211,11 +245,15 @@ def test_triton_kernels_with_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
         llm = make_llm(oscar={**kvq, "kernels": kernels}, **engine, **extra)
         try:
             outs[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
-            drafted = _spec_counts(llm)[0] if extra else None
+            if extra:
+                drafted = _spec_counts(llm)[0]
+                groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
         finally:
             shutdown(llm)
     assert drafted >= DRAFTS * 12  # most of the 15 steps after the first token verified drafts
     assert outs["triton"] == outs["reference"]
+    assert sorted({g.kv_cache_spec.block_size for g in groups}) == [288, 4096]
+    assert all(g.kv_cache_spec.page_size_padded is None for g in groups)
 
 
 def test_oscar_draft_layers_are_refused(tmp_path):

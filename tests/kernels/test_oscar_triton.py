@@ -335,9 +335,8 @@ def test_padded_decode_batch(shape, store):
 
 @pytest.mark.parametrize("plan", [INT2, MIXED])
 def test_blocks_padded_to_a_larger_page(plan):
-    """vLLM pads every block to the pool's largest page when a draft model's
-    BF16 layers share the pool, so a layer's blocks lie further apart than its
-    H pages. Store, decode and extend address blocks by the tensor's stride:
+    """vLLM pads a page to the pool's largest when that is no whole multiple
+    of it, and a layer's blocks then lie further apart than its H pages. Store, decode and extend address blocks by the tensor's stride:
     each matches the reference, and the bytes between blocks stay untouched."""
     _padded_blocks.clear()
     shape = dict(SMALL, tiers=plan)

@@ -48,6 +48,7 @@ class OscarSettings:
     state_artifact: str | None = None
     state_bits: int = 6
     speculative_tokens: int = 0  # not a kvq key: vLLM's draft tokens per step (the ring's spare slots)
+    draft_token_bytes: int = 0  # not a kvq key: a draft model's BF16 cache, bytes per token of one layer
 
     @property
     def rotation_mode(self) -> str:
@@ -118,10 +119,22 @@ _cached: OscarSettings | None = None
 def from_vllm_config(vllm_config) -> OscarSettings:
     """Parse (and cache for this process) the settings of a VllmConfig."""
     global _cached
-    drafts = getattr(getattr(vllm_config, "speculative_config", None), "num_speculative_tokens", None) or 0
+    spec = getattr(vllm_config, "speculative_config", None)
+    drafts = getattr(spec, "num_speculative_tokens", None) or 0
     raw = (getattr(vllm_config, "additional_config", None) or {}).get(CONFIG_KEY)
-    _cached = dataclasses.replace(OscarSettings.from_dict(raw), speculative_tokens=drafts)
+    _cached = dataclasses.replace(OscarSettings.from_dict(raw), speculative_tokens=drafts,
+                                  draft_token_bytes=_draft_token_bytes(spec))
     return _cached
+
+
+def _draft_token_bytes(spec) -> int:
+    """K and V bytes per token of one draft layer on this rank (vLLM's own
+    cache, in the draft's dtype); 0 without draft layers (ngram)."""
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is None:
+        return 0
+    heads = draft.get_num_kv_heads(spec.draft_parallel_config)
+    return 2 * heads * draft.get_head_size() * draft.dtype.itemsize
 
 
 def current() -> OscarSettings:

@@ -3,13 +3,15 @@ process starts, with a message that names the fix."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 
 from vllm_kvq.artifacts.fingerprint import head_dim, text_config
 from vllm_kvq.backends import settings as kvq_settings
-from vllm_kvq.backends.oscar import uses_triton
+from vllm_kvq.backends.oscar import draft_sharing_block_size, uses_triton
 from vllm_kvq.backends.resolve import cache_plan, page_format, pool_plan, resolve_artifact
 from vllm_kvq.backends.schemes import SCHEMES
 
@@ -48,13 +50,14 @@ def check_oscar_config(vllm_config) -> None:
             "OSCAR serves the target model's layers, whose rotations an artifact holds; a draft model's layers "
             "have none: drop attention_backend from the speculative config (the draft keeps vLLM's own cache)"
         )
-    if draft is not None and draft.draft_model_config is not None:
-        logger.warning(
-            "OSCAR: the draft model's layers keep vLLM's BF16 pages (%d B per token and head), and vLLM pads "
-            "every OSCAR page to that size, so the KV cache holds about %.1fx fewer tokens than OSCAR alone; "
-            "ngram speculation has no draft layers and keeps OSCAR's capacity",
-            4 * d, 4 * d / fmt.bytes_per_token,
-        )
+    if s.draft_token_bytes:
+        _small_blocks(vllm_config, draft=True)
+        token_bytes = model_config.get_num_kv_heads(vllm_config.parallel_config) * fmt.bytes_per_token
+        blocks = draft_sharing_block_size(cache_config.block_size, token_bytes, s.draft_token_bytes)
+        fmt = page_format(d, blocks, s)
+        logger.info("OSCAR: the draft model's layers share the block pool; OSCAR blocks of %d tokens hold as "
+                    "many bytes as %d draft tokens, so no page is padded", blocks,
+                    blocks * token_bytes // s.draft_token_bytes)
     tiers = cache_plan(s).tiers
     logger.info(
         "OSCAR: scheme=%s, rotation=%s (%s), tiers %s, sink=%d, window=%d, %d B/token/head, "
@@ -123,18 +126,25 @@ def _check_state_graphs(vllm_config, s, plan) -> None:
         raise ValueError(f"CUDA graphs would capture staged decode batches of kvq.state ({why}); pass --enforce-eager")
 
 
-def _small_blocks(vllm_config) -> None:
+def _small_blocks(vllm_config, draft: bool = False) -> None:
     """vLLM pads every GDN state page up to a whole attention block; at its
     default 128-token blocks that padding would eat most of a packed state's
     saving, so unless the user chose a block size, take the smallest one the
-    attention backend supports (vLLM then sizes hybrid blocks from the page)."""
+    attention backend supports (vLLM then sizes hybrid blocks from the page).
+    With a draft model's layers (``draft``) the block must suit the draft's
+    backend too, and OSCAR's blocks grow from it to a whole number of draft
+    pages (:func:`draft_sharing_block_size`): small here keeps them small."""
     from vllm.v1.attention.backend import MultipleOf
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     cache_config = vllm_config.cache_config
     if cache_config.user_specified_block_size:
         return
-    backend = vllm_config.attention_config.backend or AttentionBackendEnum.CPU_ATTN
-    sizes = backend.get_class().get_supported_kernel_block_sizes()
-    cache_config.block_size = min(s.base if isinstance(s, MultipleOf) else s for s in sizes)
+    backends = [vllm_config.attention_config.backend or AttentionBackendEnum.CPU_ATTN]
+    if draft:
+        default = AttentionBackendEnum.CPU_ATTN if current_platform.is_cpu() else AttentionBackendEnum.FLASH_ATTN
+        backends.append(vllm_config.speculative_config.attention_backend or default)
+    cache_config.block_size = math.lcm(*(min(s.base if isinstance(s, MultipleOf) else s
+                                             for s in b.get_class().get_supported_kernel_block_sizes())
+                                         for b in backends))
     cache_config.user_specified_block_size = True

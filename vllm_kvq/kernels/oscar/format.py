@@ -266,9 +266,9 @@ class OscarFormat(PagedFormat):
 
     def block_stride(self, kv_cache) -> int:
         """Bytes from one block of a layer's pages ``[blocks, H, KB, C]`` (uint8)
-        to the next. vLLM pads every block to the pool's largest page when
-        other layers (a draft model's BF16 cache) have bigger pages, so blocks
-        may lie further apart than ``H * block_bytes``; a block is dense."""
+        to the next. vLLM pads a page to the pool's largest when that is no
+        whole multiple of it, so blocks may lie further apart than
+        ``H * block_bytes``; a block is dense."""
         _, h, kb, c = kv_cache.shape
         if (kv_cache.element_size() != 1 or kb * c != self.block_bytes
                 or tuple(kv_cache.stride()[1:]) != (kb * c, c, 1) or kv_cache.stride(0) < h * kb * c):
