@@ -55,9 +55,11 @@ def check_oscar_config(vllm_config) -> None:
         token_bytes = model_config.get_num_kv_heads(vllm_config.parallel_config) * fmt.bytes_per_token
         blocks = draft_sharing_block_size(cache_config.block_size, token_bytes, s.draft_token_bytes)
         fmt = page_format(d, blocks, s)
+        draft_blocks = blocks * token_bytes // s.draft_token_bytes
         logger.info("OSCAR: the draft model's layers share the block pool; OSCAR blocks of %d tokens hold as "
-                    "many bytes as %d draft tokens, so no page is padded", blocks,
-                    blocks * token_bytes // s.draft_token_bytes)
+                    "many bytes as %d draft tokens, so no page is padded%s", blocks, draft_blocks,
+                    f"; prefix-cache hits fall on multiples of {math.lcm(blocks, draft_blocks)} tokens"
+                    if cache_config.enable_prefix_caching else "")
     tiers = cache_plan(s).tiers
     logger.info(
         "OSCAR: scheme=%s, rotation=%s (%s), tiers %s, sink=%d, window=%d, %d B/token/head, "
