@@ -20,9 +20,9 @@ without a prefill) and the acceptance rate. ngram (prompt lookup) on every
 platform; on CUDA also EAGLE-3, with a one-layer draft head of random
 weights made on the machine (no trained head is at hand, so nearly nothing
 is accepted: its row is the cost of drafting and verifying k tokens a step).
-The draft's own layer keeps vLLM's BF16 cache (vLLM picks the draft's
-backend itself), to whose page size vLLM pads OSCAR's pages: the KV capacity
-column shows what that costs.
+The draft's own layer keeps vLLM's BF16 cache (TRITON_ATTN) in the same
+block pool, beside OSCAR blocks sized to a whole number of its pages: the KV
+capacity column shows what the draft's layer costs.
 
 ``--small`` runs house-qwen3 on CPU (real weights, real code as prompts);
 otherwise a random-weight Qwen3-4B-shaped model (``load_format="dummy"``)
