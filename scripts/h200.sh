@@ -69,12 +69,13 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 # the serving job's memory share: 0.15 of an H200 (141 GB); an 80 GB card needs 0.2 for BF16 to hold a 33K request
 E2E_MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 < 100000) ? 0.2 : 0.15}')
+# the kernel tests in one process: -o addopts="" drops pyproject's two xdist workers (the CPU suite's)
 if [[ $steps == *" tests "* ]]; then
-  OSCAR_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_oscar_triton.py \
+  OSCAR_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_oscar_triton.py \
     > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
 fi
 if [[ $steps == *" statetests "* ]]; then
-  STEPQUANT_REAL_SHAPES=1 timeout 480 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_stepquant_triton.py \
+  STEPQUANT_REAL_SHAPES=1 timeout 480 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_stepquant_triton.py \
     tests/kernels/test_stepquant_kda.py > "$OUT/stepquant_tests.log" 2>&1; echo "stepquant tests rc=$?"
   tail -15 "$OUT/stepquant_tests.log"
 fi

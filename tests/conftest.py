@@ -128,6 +128,54 @@ class KeptEngine:
 SESSION_ENGINE = KeptEngine()
 
 
+# The README's ``pytest -q tests`` runs on two pytest-xdist workers
+# (pyproject.toml: ``-n 2 --dist loadfile``), one a core. Each module runs
+# whole on one worker, so its module fixtures and kept engines start once; a
+# worker that runs out takes the next module in collection order, where the
+# modules that take minutes come first, longest first, so the short ones fill
+# in around them.
+LONGEST_FIRST = (
+    "tests/backends/test_spec_decode.py",
+    "tests/backends/test_prefix_caching.py",
+    "tests/backends/test_tensor_parallel.py",
+    "tests/backends/test_triton_path.py",
+    "tests/backends/test_oscar_engine.py",
+    "tests/kernels/test_oscar_triton.py",
+    "tests/backends/test_server.py",
+    "tests/backends/test_hybrid.py",
+    "tests/backends/test_state_pool.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: modules stay in order
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, unknown where it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` that hands a worker its next module when one test
+    is left, not two: an xdist worker holds back its last test until more
+    work or the end comes, and a module handed out a test early can leave the
+    other worker idle at the end."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False  # keep the collection's order, not the most tests first
+
+    class ModuleWhenIdle(LoadFileScheduling):
+        def _reschedule(self, node):
+            if node.shutting_down:
+                return
+            if not self.workqueue:
+                node.shutdown()
+            elif self._pending_of(self.assigned_work[node]) <= 1:
+                self._assign_work_unit(node)
+
+    return ModuleWhenIdle(config, log)
+
+
 @pytest.fixture(scope="session")
 def engines():
     """``engines(model, oscar, **kwargs)``: an engine of that configuration
