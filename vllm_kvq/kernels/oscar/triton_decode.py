@@ -446,7 +446,9 @@ def _split(q_base, qmask, row, cache_u8, cache_i32, o_base, lse_ptr, L, split, S
     page_lo = first_page + split * per
     page_hi = tl.minimum(page_lo + per, first_page + n_pages)
     step_lo = page_lo * SUB
-    step_hi = tl.maximum(page_hi * SUB, step_lo)
+    # up to the step that holds row hi - 1: a long block (beside a draft
+    # model's pages, 4096 tokens) would otherwise step through its empty tail
+    step_hi = tl.maximum(tl.minimum(page_hi * SUB, (hi // KB) * SUB + tl.cdiv(hi % KB, TILE)), step_lo)
     # inner steps: all rows inside [lo, hi) (steps run in position order); a
     # page's partial last step ends at the page, so it is inner only if hi
     # lies past that page
