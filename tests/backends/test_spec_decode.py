@@ -134,13 +134,13 @@ def test_triton_kernels_verify_drafts_in_the_decode_kernel(greedy, monkeypatch):
         try:
             if kernels == "triton":
                 llm.apply_model(_count_decode_launches)
-            outs[kernels] = llm.generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
+            outs[kernels] = llm.generate(prompts, greedy(16, logprobs=2), use_tqdm=False)
             counts = _spec_counts(llm)
             launches = llm.apply_model(_decode_launches)[0] if kernels == "triton" else None
         finally:
             shutdown(llm)
     compared, mean, worst = compare(outs["triton"], outs["reference"], "ngram: Triton vs reference ops")
-    assert compared >= 24  # at least one whole output before any near tie
+    assert compared >= 24  # more than one whole output before any near tie
     drafted, accepted = counts
     assert drafted > 0 and accepted > 0
     assert max(launches) == 1 + DRAFTS  # whole verification steps took the decode kernel
@@ -244,13 +244,13 @@ def test_triton_kernels_beside_a_draft_heads_pages(tmp_path, greedy, monkeypatch
     for kernels, extra in (("reference", {}), ("triton", {"speculative_config": spec})):
         llm = make_llm(oscar={**kvq, "kernels": kernels}, **engine, **extra)
         try:
-            outs[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(16), use_tqdm=False)]
+            outs[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
             if extra:
                 drafted = _spec_counts(llm)[0]
                 groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
         finally:
             shutdown(llm)
-    assert drafted >= DRAFTS * 12  # most of the 15 steps after the first token verified drafts
+    assert drafted >= DRAFTS * 6  # most of the 7 steps after the first token verified drafts
     assert outs["triton"] == outs["reference"]
     assert sorted({g.kv_cache_spec.block_size for g in groups}) == [288, 4096]
     assert all(g.kv_cache_spec.page_size_padded is None for g in groups)
