@@ -17,7 +17,13 @@ import json
 import os
 
 import pytest
-import torch
+
+# Every engine here runs eagerly (enforce_eager); what torch.compile would
+# still build is vLLM's logprob gather, with inductor, in every process that
+# asks for logprobs: ~7 s a process on two cores, for the same results. Set
+# before torch is imported; engine processes inherit it.
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+import torch  # noqa: E402
 
 from evalkit.data import CODE, MODELS, REPO, model_path, needles, tokenizer_path  # noqa: F401  (test modules import them)
 

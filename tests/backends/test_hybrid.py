@@ -53,17 +53,3 @@ def test_hybrid_exact_while_everything_is_bf16_and_capacity(greedy, artifact):
     # same KV budget: attention pages shrink 7x (INT2: 72 B per token and head against 512), the
     # GDN states stay per request, so the whole cache holds 4x the tokens
     assert cap >= 4 * cap_ref
-
-
-def test_hybrid_tp2_equals_tp1_with_int2_active(greedy, monkeypatch):
-    """The GDN CPU kernel needs bf16, where TP's all-reduce rounds differently:
-    tokens must be equal up to TP=1's first near tie (found from TP=1 alone)."""
-    kvq = {"rotation": "hadamard", "sink": 16, "window": 32}
-    prompts = [r["prompt"] for r in needles(max_tokens=900, limit=8)]
-    _, one = generate(greedy, prompts, oscar=kvq)
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # one worker process per rank
-    _, two = generate(greedy, prompts, oscar=kvq, tensor_parallel_size=2, distributed_executor_backend="mp")
-    out = compare(two, one)
-    assert out["equal_up_to_tie"] == out["prompts"]
-    assert out["tokens_compared"] >= 32  # a quarter of the 128 generated tokens at least

@@ -115,33 +115,41 @@ def _decode_launches(model) -> list[int]:
     return list(_LAUNCHES)
 
 
-def test_triton_kernels_verify_drafts_in_the_decode_kernel(greedy, monkeypatch):
+# The Triton tests' settings: two short prompts that ngram finds drafts in,
+# sink 8 and window 16 so INT2 pages are read within 16 tokens
+TRITON_PROMPTS = ["def add(a, b):\n    return a + b\n\n" * 3 + "def add3(a, b, c):",
+                  "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = ["]
+TRITON_KVQ = {**KVQ, "sink": 8, "window": 16}
+TRITON_ENGINE = dict(ENGINE, max_model_len=256, max_num_seqs=2)
+
+
+@pytest.fixture(scope="module")
+def reference_ops_plain(greedy, engines):
+    """The reference ops without speculation on the Triton tests' prompts
+    (speculation gives these tokens there: test_ngram_gives_the_tokens_of_plain_decoding)."""
+    llm = engines(oscar={**TRITON_KVQ, "kernels": "reference"}, **TRITON_ENGINE)
+    return llm.generate(TRITON_PROMPTS, greedy(16, logprobs=2), use_tqdm=False)
+
+
+def test_triton_kernels_verify_drafts_in_the_decode_kernel(greedy, reference_ops_plain, monkeypatch):
     """``kernels: "triton"`` (Triton's interpreter on CPU, inherited by the
     engine's processes) with ngram: the verification steps' 1 + k query rows
     a request go through the decode kernel (each row its own window edge,
     over a ring of W + k slots), and the greedy tokens equal the reference
-    ops' under the same speculation."""
+    ops'."""
     pytest.importorskip("triton")
     monkeypatch.setitem(os.environ, "VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model ships functions
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
-    body = "def add(a, b):\n    return a + b\n\n"
-    prompts = [body * 3 + "def add3(a, b, c):", "x = [1, 2, 3]\ny = [1, 2, 3]\nz = [1, 2, 3]\nw = ["]
-    kvq = {**KVQ, "sink": 8, "window": 16}
-    engine = dict(ENGINE, max_model_len=256, max_num_seqs=2, speculative_config=NGRAM)
-    outs = {}
-    for kernels in ("reference", "triton"):
-        llm = make_llm(oscar={**kvq, "kernels": kernels}, **engine)
-        try:
-            if kernels == "triton":
-                llm.apply_model(_count_decode_launches)
-            outs[kernels] = llm.generate(prompts, greedy(16, logprobs=2), use_tqdm=False)
-            counts = _spec_counts(llm)
-            launches = llm.apply_model(_decode_launches)[0] if kernels == "triton" else None
-        finally:
-            shutdown(llm)
-    compared, mean, worst = compare(outs["triton"], outs["reference"], "ngram: Triton vs reference ops")
+    llm = make_llm(oscar={**TRITON_KVQ, "kernels": "triton"}, **TRITON_ENGINE, speculative_config=NGRAM)
+    try:
+        llm.apply_model(_count_decode_launches)
+        outs = llm.generate(TRITON_PROMPTS, greedy(16, logprobs=2), use_tqdm=False)
+        drafted, accepted = _spec_counts(llm)
+        launches = llm.apply_model(_decode_launches)[0]
+    finally:
+        shutdown(llm)
+    compared, mean, worst = compare(outs, reference_ops_plain, "ngram: Triton vs reference ops")
     assert compared >= 24  # more than one whole output before any near tie
-    drafted, accepted = counts
     assert drafted > 0 and accepted > 0
     assert max(launches) == 1 + DRAFTS  # whole verification steps took the decode kernel
 
@@ -229,29 +237,24 @@ def test_draft_layers_share_the_pool_unpadded(tmp_path):
     assert specs["target"].page_size_padded is None and specs["draft"].page_size_padded is None
 
 
-def test_triton_kernels_beside_a_draft_heads_pages(tmp_path, greedy, monkeypatch):
+def test_triton_kernels_beside_a_draft_heads_pages(tmp_path, greedy, reference_ops_plain, monkeypatch):
     """EAGLE-3's draft layer shares the block pool, OSCAR's blocks sized to a
     whole number of its pages: the Triton kernels (the interpreter here) on
     those blocks give the reference ops' greedy tokens without speculation
     (fp32, the random head's drafts all rejected), on unpadded pages."""
     pytest.importorskip("triton")
     monkeypatch.setitem(os.environ, "TRITON_INTERPRET", "1")
-    prompts = ["def add(a, b):\n    return a + b\n\n" * 3 + "def add3(a, b, c):"]
-    kvq = {**KVQ, "sink": 8, "window": 16}
-    engine = dict(ENGINE, max_model_len=256, max_num_seqs=1)
     spec = {"method": "eagle3", "model": _eagle3_head(tmp_path), "num_speculative_tokens": DRAFTS}
-    outs = {}
-    for kernels, extra in (("reference", {}), ("triton", {"speculative_config": spec})):
-        llm = make_llm(oscar={**kvq, "kernels": kernels}, **engine, **extra)
-        try:
-            outs[kernels] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(8), use_tqdm=False)]
-            if extra:
-                drafted = _spec_counts(llm)[0]
-                groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
-        finally:
-            shutdown(llm)
+    llm = make_llm(oscar={**TRITON_KVQ, "kernels": "triton"}, **dict(TRITON_ENGINE, max_num_seqs=1),
+                   speculative_config=spec)
+    try:
+        got = llm.generate(TRITON_PROMPTS[:1], greedy(8), use_tqdm=False)[0].outputs[0].token_ids
+        drafted = _spec_counts(llm)[0]
+        groups = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_groups
+    finally:
+        shutdown(llm)
     assert drafted >= DRAFTS * 6  # most of the 7 steps after the first token verified drafts
-    assert outs["triton"] == outs["reference"]
+    assert list(got) == list(reference_ops_plain[0].outputs[0].token_ids[:8])
     assert sorted({g.kv_cache_spec.block_size for g in groups}) == [288, 4096]
     assert all(g.kv_cache_spec.page_size_padded is None for g in groups)
 

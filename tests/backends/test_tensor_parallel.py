@@ -1,15 +1,13 @@
 """TP=2 under vLLM's two executors on CPU: the multiprocessing executor, and
 the Ray executor on a local Ray cluster (``distributed_executor_backend="ray"``).
 
-* OSCAR on house-qwen3 (fp32, the per-KV-head artifact, most of each
-  sequence read as INT2): the mp executor gives TP=1's greedy tokens, the Ray
-  executor the mp executor's, and every rank holds its own KV head's
-  rotations with R_V folded.
-* The STEPQuant state pool with OSCAR on house-qwen3next (bf16, the GDN CPU
-  kernel's dtype, where TP's all-reduce rounds differently): the mp
-  executor's tokens equal TP=1's up to TP=1's first near tie, the Ray
-  executor's equal the mp executor's, and every rank packs its own two value
-  heads at the plan's widths (records padded to the larger rank).
+OSCAR with the STEPQuant state pool on house-qwen3next (bf16, the GDN CPU
+kernel's dtype, where TP's all-reduce rounds differently; most of each
+sequence read as INT2): the mp executor's tokens equal TP=1's up to TP=1's
+first near tie, the Ray executor's equal the mp executor's; every rank holds
+its own KV head's rotations (R_V folded, un-rotated after the output gate)
+and packs its own two value heads at the plan's widths (records padded to the
+larger rank).
 
 vLLM 0.32's CPU platform names no Ray device key, which is all that stops its
 Ray executor; ``tests/ray_cpu/sitecustomize.py`` names one in the engine core
@@ -24,7 +22,6 @@ import os
 import pytest
 
 from evalkit.probe import allocated_state_bytes
-from tests.backends.test_oscar_engine import INT2_BIG_CHUNKS
 from tests.backends.test_state_pool import STEPQUANT_WITH_OSCAR, compare
 from tests.conftest import REPO, make_llm, needles, shutdown
 from vllm_kvq.artifacts import OscarArtifact
@@ -76,58 +73,42 @@ def in_ray_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
-def oscar_layers(model) -> dict:
-    """Runs in each worker: whether it is a Ray actor, and what each OSCAR layer of its rank holds."""
+def rank_layers(model) -> dict:
+    """Runs in each worker: whether it is a Ray actor, what each OSCAR layer of
+    its rank holds, and its GDN layers' packed states."""
     from vllm.distributed import get_tensor_model_parallel_rank
 
     from vllm_kvq.backends.oscar import OscarImpl
 
-    rows = [{"layer": int(name.split("layers.")[1].split(".")[0]), "k_rotation": m.impl.k_rotation.clone(),
-             "v_absorbed": m.impl.v_absorbed, "num_kv_heads": m.impl.num_kv_heads}
-            for name, m in model.named_modules() if isinstance(getattr(m, "impl", None), OscarImpl)]
-    return {"ray_actor": in_ray_actor(), "rank": get_tensor_model_parallel_rank(), "layers": rows}
+    oscar = [{"layer": int(name.split("layers.")[1].split(".")[0]), "k_rotation": m.impl.k_rotation.clone(),
+              "v_absorbed": m.impl.v_absorbed, "unrotate_output": m.impl.unrotate_output,
+              "num_kv_heads": m.impl.num_kv_heads}
+             for name, m in model.named_modules() if isinstance(getattr(m, "impl", None), OscarImpl)]
+    return {"ray_actor": in_ray_actor(), "rank": get_tensor_model_parallel_rank(), "oscar": oscar,
+            "states": allocated_state_bytes(model)}
 
 
-def state_layers(model) -> dict:
-    """Runs in each worker: whether it is a Ray actor, and its GDN layers' packed states."""
-    from vllm.distributed import get_tensor_model_parallel_rank
-
-    return {"ray_actor": in_ray_actor(), "rank": get_tensor_model_parallel_rank(),
-            "layers": allocated_state_bytes(model)}
-
-
-def test_oscar_under_both_executors(ray_cluster, engines, greedy):
-    prompts = [r["prompt"] for r in needles(max_tokens=900, limit=4)]
-    one = engines(**INT2_BIG_CHUNKS).generate(prompts, greedy(24), use_tqdm=False)
-    mp_ranks, mp = run_tp2(INT2_BIG_CHUNKS, "mp", prompts, greedy(24), oscar_layers)
-    ray_ranks, ray = run_tp2(INT2_BIG_CHUNKS, "ray", prompts, greedy(24), oscar_layers)
-    assert tokens(mp) == tokens(one)
-    assert tokens(ray) == tokens(mp)
-    assert [(r["ray_actor"], r["rank"]) for r in mp_ranks] == [(False, 0), (False, 1)]
-    assert [(r["ray_actor"], r["rank"]) for r in ray_ranks] == [(True, 0), (True, 1)]
-    art = OscarArtifact.load(INT2_BIG_CHUNKS["oscar"]["artifact"])
-    for rank, info in enumerate(ray_ranks):
-        assert len(info["layers"]) == len(art.layers)
-        for row in info["layers"]:
-            assert row["num_kv_heads"] == 1 and row["v_absorbed"]
-            assert row["k_rotation"].equal(art.rotation_for("k", row["layer"], [rank]))
-    assert not ray_ranks[0]["layers"][0]["k_rotation"].equal(ray_ranks[1]["layers"][0]["k_rotation"])
-
-
-def test_state_pool_under_both_executors(ray_cluster, engines, greedy):
+def test_oscar_and_state_pool_under_both_executors(ray_cluster, engines, greedy):
     kvq = STEPQUANT_WITH_OSCAR["oscar"]
     prompts = [r["prompt"] for r in needles(max_tokens=1500, limit=6)]
     one = engines(**STEPQUANT_WITH_OSCAR).generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
-    mp_ranks, mp = run_tp2(STEPQUANT_WITH_OSCAR, "mp", prompts, greedy(24, logprobs=2), state_layers)
-    ray_ranks, ray = run_tp2(STEPQUANT_WITH_OSCAR, "ray", prompts, greedy(24, logprobs=2), state_layers)
+    mp_ranks, mp = run_tp2(STEPQUANT_WITH_OSCAR, "mp", prompts, greedy(24, logprobs=2), rank_layers)
+    ray_ranks, ray = run_tp2(STEPQUANT_WITH_OSCAR, "ray", prompts, greedy(24, logprobs=2), rank_layers)
     assert compare(mp, one, "TP=2 vs TP=1")[0] >= 24
     assert tokens(ray) == tokens(mp)
-    plan = StepQuantPlan.load(kvq["state_artifact"])
+    art, plan = OscarArtifact.load(kvq["artifact"]), StepQuantPlan.load(kvq["state_artifact"])
     for ranks, in_ray in ((mp_ranks, False), (ray_ranks, True)):
         assert [(r["ray_actor"], r["rank"]) for r in ranks] == [(in_ray, 0), (in_ray, 1)]
         for rank, info in enumerate(ranks):
-            assert [layer["layer"] for layer in info["layers"]] == list(plan.layers)
-            for layer in info["layers"]:
+            # each rank holds its own KV head's rotations; R_V folded into v_proj, un-rotated
+            # after the output gate (which an o_proj fold could not pass)
+            assert [row["layer"] for row in info["oscar"]] == list(art.layers)
+            for row in info["oscar"]:
+                assert row["num_kv_heads"] == 1 and row["v_absorbed"] and row["unrotate_output"]
+                assert row["k_rotation"].equal(art.rotation_for("k", row["layer"], [rank]))
+            assert [layer["layer"] for layer in info["states"]] == list(plan.layers)
+            for layer in info["states"]:
                 assert layer["dtype"] == "torch.uint8"
                 assert tuple(layer["bits"]) == plan.head_bits(6, layer["layer"])[2 * rank: 2 * rank + 2]
-        assert len({layer["shape"][0] for info in ranks for layer in info["layers"]}) == 1  # one record size
+        assert not ranks[0]["oscar"][0]["k_rotation"].equal(ranks[1]["oscar"][0]["k_rotation"])
+        assert len({layer["shape"][0] for info in ranks for layer in info["states"]}) == 1  # one record size
