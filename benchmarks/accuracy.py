@@ -108,7 +108,11 @@ def score(llm, needles: list[dict], windows: list[list[int]], buckets: list = BU
 def evaluate(model: str, kvq: dict | None, needles: list[dict], windows: list[list[int]], args) -> dict:
     from vllm import LLM
 
-    kw = dict(attention_backend="OSCAR", additional_config={"kvq": kvq}) if kvq is not None else {}
+    import torch
+
+    # BF16 on the GPU: TRITON_ATTN, vLLM's kernel that runs on every card (the CUDA check's baseline too)
+    kw = (dict(attention_backend="OSCAR", additional_config={"kvq": kvq}) if kvq is not None
+          else dict(attention_backend="TRITON_ATTN") if torch.cuda.is_available() else {})
     if args.tokenizer:
         kw["tokenizer"] = args.tokenizer
     # Decode regime: every request is prefilled in chunks of at most

@@ -34,14 +34,16 @@ Each engine runs in its own process (``run`` sub-command); the parent
 merges its figures into ``benchmarks/results/prefix_chat.json`` (or
 ``$OUT``) under a label. ``render`` writes docs/prefix_caching.md from the
 JSON (``--doc``) and prints it; ``merge FILE...`` first adds the engines of
-other runs' JSON files (the H200 steps' copies) to it.
+other runs' JSON files (the H200 steps' copies) to it, or with ``--label`` files
+one run whole as its own section.
 
     python -m benchmarks.prefix_chat --jobs chat --budget-s 70    # H200: 32 x 6 over 16K tokens
     python -m benchmarks.prefix_chat --jobs spec                  # H200: ngram against none
-    python -m benchmarks.prefix_chat --jobs eagle                 # H200: EAGLE-3 (after spec: its baselines)
+    python -m benchmarks.prefix_chat --jobs eagle --label gpu-eagle3  # H200: EAGLE-3 against none
     python -m benchmarks.prefix_chat --small                      # CPU: house-qwen3, 8 x 4 over 1K tokens
     python -m benchmarks.prefix_chat render --doc docs/prefix_caching.md
     python -m benchmarks.prefix_chat merge h200/prefix_chat.json --doc docs/prefix_caching.md
+    python -m benchmarks.prefix_chat merge h200/eagle.json --label gpu-eagle3 --doc docs/prefix_caching.md
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ DOC = REPO / "docs" / "prefix_caching.md"
 CHAT_ENGINES = ("oscar_apc", "oscar_no_apc", "bf16_apc")
 SPEC_ENGINES = ("oscar_plain", "oscar_ngram", "oscar_eagle3", "bf16_plain", "bf16_ngram", "bf16_eagle3")
 JOBS = {"chat": CHAT_ENGINES, "spec": ("oscar_plain", "oscar_ngram", "bf16_plain", "bf16_ngram"),
-        "eagle": ("oscar_eagle3", "bf16_eagle3")}
+        "eagle": ("oscar_plain", "oscar_eagle3", "bf16_plain", "bf16_eagle3")}
 DRAIN_S = 30
 """With ``--budget-s``: requests still running this long after the budget are
 aborted, so that a cut job ends in bounded time."""
@@ -281,7 +283,8 @@ def main() -> None:
     p.add_argument("--jobs", nargs="+", choices=sorted(JOBS) + list(CHAT_ENGINES + SPEC_ENGINES), default=None,
                    help="the jobs or single engines of 'all' (default: all jobs; --small: chat and spec)")
     p.add_argument("--small", action="store_true", help="the CPU job (house-qwen3, 8 x 4 over 1K tokens)")
-    p.add_argument("--label", default=None, help="key of this run in the JSON (default: cpu-small / gpu)")
+    p.add_argument("--label", default=None, help="key of this run in the JSON (default: cpu-small / gpu); merge: "
+                   "the file's run goes there whole, replacing that section (its rows from one run)")
     p.add_argument("--model-dir", default="/tmp/kvq_qwen3_4b_dummy")
     p.add_argument("--json", default=None)
     p.add_argument("--doc", default=None, help="render: write the markdown there too (docs/prefix_caching.md)")
@@ -330,7 +333,10 @@ def main() -> None:
         results = json.loads(out.read_text()) if out.exists() else {}
         for other in args.files:
             for label, job in json.loads(Path(other).read_text()).items():
-                results.setdefault(label, {}).update(job)
+                if args.label:  # the file's run as a section of its own, whole
+                    results[args.label] = job
+                else:
+                    results.setdefault(label, {}).update(job)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
     text = render(json.loads(out.read_text()))

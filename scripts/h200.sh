@@ -44,12 +44,13 @@
 #          30 s later; not by default);
 #   spec   decode tokens/s with and without ngram speculation, OSCAR (its Triton kernels verify the 1 + k
 #          tokens a request in the decode kernel) and TRITON_ATTN, benchmarks/prefix_chat.py (~6 min; not by default);
-#   eagle  the same with an EAGLE-3 head of random weights (nearly nothing accepted: the cost of drafting),
-#          benchmarks/prefix_chat.py (~4 min; not by default);
+#   eagle  OSCAR and TRITON_ATTN with an EAGLE-3 head of random weights (nearly nothing accepted: the cost of
+#          drafting) and without, one section of its own (gpu-eagle3), benchmarks/prefix_chat.py (~6 min; not by default);
 #   spec-graphs  the spec job with full CUDA graphs for uniform decode batches (~8 min; not by default).
 # The prefix, spec, eagle and spec-graphs steps add their engines to one JSON kept on the machine
 # ($PREFIX_JSON) and copy it to $OUT/prefix_chat.json; bring each copy back and run
 #   python -m benchmarks.prefix_chat merge FILE... --doc docs/prefix_caching.md
+# (the eagle step's section: it is the same file, its gpu-eagle3 label kept by a plain merge)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ -f .gpu-vllm/env.sh ] && source .gpu-vllm/env.sh 0.32.0  # the version explicitly: a bare source passes on this script's arguments
@@ -172,7 +173,7 @@ if [[ $steps == *" spec "* ]]; then
   prefix_chat spec 560 --jobs spec --timeout-s 135
 fi
 if [[ $steps == *" eagle "* ]]; then
-  prefix_chat eagle 560 --jobs eagle --timeout-s 250
+  prefix_chat eagle 560 --jobs eagle --label gpu-eagle3 --timeout-s 150
 fi
 if [[ $steps == *" spec-graphs "* ]]; then
   prefix_chat spec-graphs 560 --jobs spec --cuda-graphs --label gpu-graphs --timeout-s 135
