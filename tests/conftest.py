@@ -48,6 +48,46 @@ if not torch.cuda.is_available():
     # module (collected in any order) imports a kernel module.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _patch_language_once_per_launch():
+    """Triton's interpreter patches ``triton.language`` for the interpreter
+    when a kernel launches, and again at every call of a nested ``@jit``
+    function (~30% of an interpreted decode step here), though the patches,
+    set on the module objects, still hold there. In this process a nested
+    call patches only modules the launch has not (``tl.min``'s module sees
+    ``tl.core``, a kernel ``tl``), and the launch restores all at its end."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    patch, launches = interpreter._patch_lang, []
+
+    class LaunchScope:
+        def __init__(self):
+            self.scopes = {}  # the patched modules -> their patch scope
+
+        def restore(self):
+            launches.pop()
+            for scope in reversed(list(self.scopes.values())):
+                scope.restore()
+
+    def patch_once(fn):
+        langs = frozenset(id(v) for v in fn.__globals__.values() if v is tl or v is tl.core)
+        launch = launches[-1] if launches else LaunchScope()
+        if langs not in launch.scopes:
+            launch.scopes[langs] = patch(fn)
+        if not launches:
+            launches.append(launch)
+        return launch
+
+    interpreter._patch_lang = patch_once
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        _patch_language_once_per_launch()
+    except ImportError:  # no Triton: its tests skip
+        pass
+
 def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs) -> dict:
     """The arguments of a small CPU engine; ``oscar`` (the kvq settings)
     selects the OSCAR backend."""

@@ -199,7 +199,7 @@ def test_preemption_with_cached_blocks(engines, texts, greedy):
     shared prefix's."""
     prefix = texts[11][:161]
     prompts = [prefix + texts[i][1000:1040 + 10 * i] for i in range(8)]
-    params = greedy(160, logprobs=2)
+    params = greedy(96, logprobs=2)
     tight = engines(**TIGHT_ENGINE)  # the one the eviction test left
     seen = _spy_on_hits(tight)
     got = _run_in_order(tight, [[prefix], prompts], params)

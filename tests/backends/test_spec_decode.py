@@ -46,7 +46,7 @@ def _spec_counts(llm) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def prompts():
-    return [r["prompt"] for r in needles(max_tokens=1000, limit=8)]
+    return [r["prompt"] for r in needles(max_tokens=600, limit=8)]
 
 
 def _generate(prompts, greedy, **kw):
@@ -189,7 +189,7 @@ def test_eagle3_rejected_drafts_leave_the_tokens(tmp_path, greedy, engines):
     and rejects the k drafts, whose rows the ring's spare slots absorb; the
     greedy tokens equal those without speculation, every one (fp32)."""
     head = _eagle3_head(tmp_path)
-    prompts = [r["prompt"] for r in needles(max_tokens=1000, limit=2)]
+    prompts = [r["prompt"] for r in needles(max_tokens=600, limit=2)]
     plain = engines(oscar=KVQ, **ENGINE).generate(prompts, greedy(32), use_tqdm=False)
     spec = {"method": "eagle3", "model": head, "num_speculative_tokens": DRAFTS}
     llm = make_llm(oscar=KVQ, **dict(ENGINE, max_model_len=1536), speculative_config=spec)
