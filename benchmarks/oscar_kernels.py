@@ -657,7 +657,23 @@ def graph_check_section(c: dict) -> list[str]:
             f" padded), OSCAR forwards run eagerly on a decode-only batch: {g['eager_decode_forwards']}.", "",
             *table(["prompts", "sequences equal to eager", "token log-probabilities identical", "max abs dlogprob"],
                    rows),
-            *graph_sanity_lines(c), "", f"Result: {'passed' if c.get('ok') else 'FAILED'}."]
+            *graph_sanity_lines(c), *compiled_lines(c), "", f"Result: {'passed' if c.get('ok') else 'FAILED'}."]
+
+
+def compiled_lines(c: dict) -> list[str]:
+    """OSCAR under vLLM's default compilation (torch.compile, FULL_AND_PIECEWISE), where that mode ran."""
+    x = c.get("oscar_compiled")
+    if not isinstance(x, dict):
+        return []
+    if "error" in x:
+        return ["", f"OSCAR under vLLM's default (torch.compile, FULL_AND_PIECEWISE): failed ({c['modes']['oscar_compiled']})."]
+    g = x["graphs"]
+    return ["", f"OSCAR under vLLM's default (torch.compile, `{c['modes']['oscar_compiled']['cudagraph_mode']}`) against"
+            f" eager: {x['short_200']['whole_sequences_equal']}/{x['short_200']['prompts']} and"
+            f" {x['long_1500']['whole_sequences_equal']}/{x['long_1500']['prompts']} sequences equal, equal up to the"
+            f" eager run's first near tie: {'yes' if x['ok'] else 'NO'} (max |dlogprob|"
+            f" {max(x['short_200']['dlogprob_max'], x['long_1500']['dlogprob_max']):.4f}); decode steps"
+            f" {g['decode_steps']}, OSCAR forwards run eagerly on a decode-only batch: {g['eager_decode_forwards']}."]
 
 
 def graph_sanity_lines(c: dict) -> list[str]:

@@ -11,7 +11,8 @@
 #          count, the rest kept from the saved results (~2 min; not by default);
 #   check  the CUDA check in real vLLM, six engines (BF16, OSCAR INT2 and the tiered artifact through the
 #          kernels and the reference ops), scripts/cuda_check.py (~7 min);
-#   graphs OSCAR decode under full CUDA graphs against eager, scripts/cuda_graph_check.py (~5 min);
+#   graphs OSCAR decode under full CUDA graphs and under vLLM's default (torch.compile, FULL_AND_PIECEWISE)
+#          against eager, TRITON_ATTN as the control, scripts/cuda_graph_check.py (~7 min);
 #   e2e    the serving job in real vLLM, benchmarks/oscar_vllm_e2e.py (~8 min);
 #   e2e-graphs  the same job with full CUDA graphs for decodes in both engines (~8 min; not by default);
 #   state  the GDN state pool in real vLLM, scripts/cuda_state_check.py (<= 9 min: it stops
