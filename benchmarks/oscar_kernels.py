@@ -666,7 +666,7 @@ def compiled_lines(c: dict) -> list[str]:
     if not isinstance(x, dict):
         return []
     if "error" in x:
-        return ["", f"OSCAR under vLLM's default (torch.compile, FULL_AND_PIECEWISE): failed ({c['modes']['oscar_compiled']})."]
+        return ["", f"OSCAR under vLLM's default (torch.compile, FULL_AND_PIECEWISE): failed ({c['modes']['oscar_compiled'].get('error')})."]
     g = x["graphs"]
     return ["", f"OSCAR under vLLM's default (torch.compile, `{c['modes']['oscar_compiled']['cudagraph_mode']}`) against"
             f" eager: {x['short_200']['whole_sequences_equal']}/{x['short_200']['prompts']} and"

@@ -331,12 +331,14 @@ def main() -> None:
             out.write_text(json.dumps(results, indent=2))  # after each engine: a cut step keeps the finished ones
     if args.mode == "merge":
         results = json.loads(out.read_text()) if out.exists() else {}
-        for other in args.files:
-            for label, job in json.loads(Path(other).read_text()).items():
-                if args.label:  # the file's run as a section of its own, whole
-                    results[args.label] = job
-                else:
-                    results.setdefault(label, {}).update(job)
+        runs = [run for other in args.files for run in json.loads(Path(other).read_text()).items()]
+        if args.label and len(runs) != 1:
+            p.error(f"merge --label files one run, and {args.files} hold {len(runs)}: merge them one at a time")
+        for label, job in runs:
+            if args.label:  # the file's run as a section of its own, whole
+                results[args.label] = job
+            else:
+                results.setdefault(label, {}).update(job)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(results, indent=2))
     text = render(json.loads(out.read_text()))

@@ -52,7 +52,7 @@ if not torch.cuda.is_available():
 def _patch_language_once_per_launch():
     """Triton's interpreter patches ``triton.language`` for the interpreter
     when a kernel launches, and again at every call of a nested ``@jit``
-    function (~30% of an interpreted decode step here), though the patches,
+    function (~30% of an interpreted engine step's profile here), though the patches,
     set on the module objects, still hold there. In this process a nested
     call patches only modules the launch has not (``tl.min``'s module sees
     ``tl.core``, a kernel ``tl``), and the launch restores all at its end."""
@@ -87,6 +87,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
         _patch_language_once_per_launch()
     except ImportError:  # no Triton: its tests skip
         pass
+
 
 def engine_args(model: str = "house-qwen3", oscar: dict | None = None, **kwargs) -> dict:
     """The arguments of a small CPU engine; ``oscar`` (the kvq settings)
