@@ -648,7 +648,8 @@ def graph_check_section(c: dict) -> list[str]:
     rows = [[kind, f"{o[kind]['whole_sequences_equal']}/{o[kind]['prompts']}",
              "yes" if o[kind]["dlogprob_max"] == 0 else "no", f"{o[kind]['dlogprob_max']:.4f}"]
             for kind in ("short_200", "long_1500") if kind in o]
-    return ["", "## CUDA graphs in vLLM on the H200 (`scripts/cuda_graph_check.py`)", "",
+    run = f"on {c['device']}, {c['date']}" if "device" in c else "the run recorded no device or date"
+    return ["", f"## CUDA graphs in vLLM (`scripts/cuda_graph_check.py`; {run})", "",
             f"house-qwen3 with OSCAR (Hadamard) through the Triton kernels, eager against full CUDA graphs for"
             f" decode-only batches (`{c['compilation_config']}`), {c['requests']['short_200']} prompts of 200 tokens"
             f" and {c['requests']['long_1500']} of 1500 (INT2 active), 32 greedy tokens; the request counts are not"

@@ -166,8 +166,8 @@ def run_engine(mode: str, args: argparse.Namespace) -> None:
     import vllm_kvq
 
     vllm_kvq.register()
-    record = GraphRecord()
-    record.install()
+    graph_record = GraphRecord()
+    graph_record.install()
     from vllm import LLM, SamplingParams
     from vllm.compilation.counter import compilation_counter
     from vllm.inputs import TokensPrompt
@@ -182,14 +182,14 @@ def run_engine(mode: str, args: argparse.Namespace) -> None:
               "graphs_captured": compilation_counter.num_cudagraph_captured,
               "kv_cache_size_tokens": llm.llm_engine.vllm_config.cache_config.kv_cache_size_tokens}
     print("ENGINE", json.dumps(result), flush=True)
-    record.live = True
+    graph_record.live = True
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, logprobs=2, detokenize=False)
     for kind, count in (("short", args.short), ("long", args.long)):
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in cuda_check.prompts(kind)[:count]], params,
                             use_tqdm=False)
         result[kind] = record(outs)
-    record.live = False
-    result["record"] = record.as_dict()
+    graph_record.live = False
+    result["record"] = graph_record.as_dict()
     result["generate_s"] = time.perf_counter() - t0 - result["start_s"]
     Path(args.engine_out).write_text(json.dumps(result))
 
@@ -260,6 +260,9 @@ def main(argv: list[str] | None = None) -> int:
         out.write_text(json.dumps({"ok": False, "error": "model restore failed: " + traceback.format_exc()[-1500:]}))
         print(traceback.format_exc(), flush=True)
         return 1
+    import torch
+
+    device = torch.cuda.get_device_name(0)
     results: dict = {}
     for mode in args.modes:
         path, log = OUT / f"cuda_graph_{mode}.json", OUT / f"cuda_graph_{mode}.log"
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
               f"({time.perf_counter() - t:.0f} s)", flush=True)
         if "error" in results[mode]:
             print(results[mode]["log_tail"][-1500:], flush=True)
-        summary = summarize(results, args)
+        summary = {"device": device, "date": time.strftime("%Y-%m-%d"), **summarize(results, args)}
         summary["mode_results"] = {m: {k: r[k] for k in ("error", "error_lines", "vllm_log") if k in r}
                                    for m, r in results.items()}
         out.write_text(json.dumps(summary, indent=2))

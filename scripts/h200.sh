@@ -3,7 +3,13 @@
 # its bundle in .gpu-vllm, and the packed house model of
 # python -m scripts.pack_for_gpu in .device-carry/house-qwen3). Results: $OUT.
 # Steps, all by default, or the ones named: bash scripts/h200.sh check e2e
-#   tests  the Triton kernel tests at serving shapes, compiled (~4 min);
+#   tests  the Triton kernel tests at serving shapes, compiled: 251 tests, ~15 min in one process, so in 6
+#          pytest-xdist workers (compiling in parallel) when its wheels are in .device-carry/wheels
+#          (pip download --no-deps pytest-xdist==3.8.* execnet -d .device-carry/wheels); each test's
+#          outcome in $OUT/triton_tests.log;
+#   tests-hybrid  the kernel tests at hybrid models' block sizes (48/80-token blocks, head size 64) and the
+#          speculative steps, each test in its own process with CUDA_LAUNCH_BLOCKING=1, so that a fault is
+#          reported by the kernel that made it and does not fail the tests after it (~3 min; not by default);
 #   statetests  the STEPQuant step tests at serving shapes, compiled (exact and fast fits; the writeback on its
 #          own stream, eagerly and in a CUDA graph; the KDA step);
 #   bench  the kernel benchmarks, benchmarks/oscar_kernels.py (~4 min);
@@ -73,8 +79,22 @@ nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 E2E_MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 < 100000) ? 0.2 : 0.15}')
 # the kernel tests in one process: -o addopts="" drops pyproject's two xdist workers (the CPU suite's)
 if [[ $steps == *" tests "* ]]; then
-  OSCAR_REAL_SHAPES=1 timeout 420 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_oscar_triton.py \
-    > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$?"; tail -3 "$OUT/triton_tests.log"
+  workers=""
+  if ls .device-carry/wheels/pytest_xdist-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index .device-carry/wheels/*.whl >/dev/null 2>&1 && workers="-n 6 --dist load"
+  fi
+  OSCAR_REAL_SHAPES=1 timeout 540 python3 -m pytest -q -rA -p no:cacheprovider -o addopts="" $workers \
+    tests/kernels/test_oscar_triton.py > "$OUT/triton_tests.log" 2>&1; echo "triton tests rc=$? ($workers)"
+  grep "^FAILED\|^ERROR" "$OUT/triton_tests.log" | head -20; tail -1 "$OUT/triton_tests.log"
+fi
+if [[ $steps == *" tests-hybrid "* ]]; then
+  for t in $(OSCAR_REAL_SHAPES=1 python3 -m pytest -q -p no:cacheprovider -o addopts="" --collect-only \
+      tests/kernels/test_oscar_triton.py -k "hybrid_blocks or partial_tiles or head_size_64 or speculative_steps" \
+      2>/dev/null | grep "::"); do
+    CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -o addopts="" "$t" \
+      > "$OUT/t.log" 2>&1; rc=$?; echo "rc=$rc $t"; cat "$OUT/t.log" >> "$OUT/triton_tests_hybrid.log"
+    [ $rc -ne 0 ] && grep "^E " "$OUT/t.log" | head -4
+  done; rm -f "$OUT/t.log"
 fi
 if [[ $steps == *" statetests "* ]]; then
   STEPQUANT_REAL_SHAPES=1 timeout 480 python3 -m pytest -q -p no:cacheprovider -o addopts="" tests/kernels/test_stepquant_triton.py \

@@ -141,6 +141,16 @@ def test_store_matches_reference(shape, rotate, padded=False):
     assert torch.equal(got.cpu(), want)
 
 
+HYBRID_BLOCKS = [dict(SMALL, kb=48), dict(SMALL, tiers=MIXED, kb=48, sink=0), dict(SMALL, d=128, tiers=PLAN_80B, kb=80)]
+HYBRID_IDS = ["D64-KB48", "D64-KB48-nosink", "D128-KB80"]
+
+
+@pytest.mark.parametrize("shape", HYBRID_BLOCKS, ids=HYBRID_IDS)
+def test_store_hybrid_blocks(shape):
+    """The store at block sizes no power of two divides (a hybrid model's)."""
+    test_store_matches_reference(shape, False)
+
+
 @pytest.mark.parametrize("plan", [INT2, MIXED])
 @pytest.mark.parametrize("clips", [(1.0, 0.5), (0.99, 0.0), (0.9, 0.97)])
 def test_store_clip_ties(clips, plan):
@@ -453,9 +463,7 @@ def test_extend_head_size_256():
     test_extend_matches_reference(dict(SMALL, d=256, tiers="k=256x2;v=256x2"))
 
 
-@pytest.mark.parametrize("shape", [dict(SMALL, kb=48), dict(SMALL, tiers=MIXED, kb=48, sink=0),
-                                   dict(SMALL, d=128, tiers=PLAN_80B, kb=80)],
-                         ids=["D64-KB48", "D64-KB48-nosink", "D128-KB80"])
+@pytest.mark.parametrize("shape", HYBRID_BLOCKS, ids=HYBRID_IDS)
 def test_extend_partial_tiles(shape, monkeypatch):
     """Blocks that no power of two past 16 divides (a hybrid model's blocks are
     sized by its state pages): a page's last INT2 key tile is partial (32-key

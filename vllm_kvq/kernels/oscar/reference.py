@@ -229,10 +229,12 @@ def mixed_probs(q: torch.Tensor, q_positions: torch.Tensor, k_hi: torch.Tensor, 
     (query, key) reads: ``(p_hi, p_lo)``, each ``[H, g, T, S]``."""
     t, hq, d = q.shape
     s, h, _ = k_hi.shape
-    qg = q.float().view(t, h, hq // h, d).permute(1, 2, 0, 3)  # [H, g, T, D]
-    kh, kl = k_hi.permute(1, 0, 2), k_lo.permute(1, 0, 2)  # [H, S, D]
-    s_hi = torch.matmul(qg, kh.unsqueeze(1).transpose(-1, -2))  # [H, g, T, S]
-    s_lo = torch.matmul(qg, kl.unsqueeze(1).transpose(-1, -2))
+    g = hq // h
+    # [H, g T, D]: one batched product a KV head (a broadcast over the group
+    # would copy the keys g times, ~30x slower for a decode row on CPU)
+    qg = q.float().view(t, h, g, d).permute(1, 2, 0, 3).reshape(h, g * t, d)
+    s_hi = torch.matmul(qg, k_hi.permute(1, 2, 0)).view(h, g, t, s)  # [H, g, T, S]
+    s_lo = torch.matmul(qg, k_lo.permute(1, 2, 0)).view(h, g, t, s)
     key_pos = torch.arange(s, device=q.device)
     dist = q_positions.view(-1, 1) - key_pos.view(1, -1)  # [T, S]
     use_hi = (key_pos.view(1, -1) < sink) | (dist < window)
@@ -244,10 +246,10 @@ def mixed_probs(q: torch.Tensor, q_positions: torch.Tensor, k_hi: torch.Tensor, 
 
 def mix_values(p_hi: torch.Tensor, p_lo: torch.Tensor, v_hi: torch.Tensor, v_lo: torch.Tensor) -> torch.Tensor:
     """``p_hi·V_bf16 + p_lo·V_quant`` as ``[T, Hq, D]`` fp32."""
-    h, group, t, _ = p_hi.shape
-    vh, vl = v_hi.permute(1, 0, 2), v_lo.permute(1, 0, 2)
-    out = torch.matmul(p_hi, vh.unsqueeze(1)) + torch.matmul(p_lo, vl.unsqueeze(1))
-    return out.permute(2, 0, 1, 3).reshape(t, h * group, -1)
+    h, group, t, s = p_hi.shape
+    vh, vl = v_hi.permute(1, 0, 2), v_lo.permute(1, 0, 2)  # [H, S, D]
+    out = torch.matmul(p_hi.reshape(h, group * t, s), vh) + torch.matmul(p_lo.reshape(h, group * t, s), vl)
+    return out.view(h, group, t, -1).permute(2, 0, 1, 3).reshape(t, h * group, -1)
 
 
 def mixed_attention(q: torch.Tensor, q_positions: torch.Tensor, k_hi: torch.Tensor, v_hi: torch.Tensor,
