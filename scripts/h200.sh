@@ -77,7 +77,7 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/n
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader
 # the serving job's memory share: 0.15 of an H200 (141 GB); an 80 GB card needs 0.2 for BF16 to hold a 33K request
 E2E_MEM=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1 | awk '{print ($1 < 100000) ? 0.2 : 0.15}')
-# the kernel tests in one process: -o addopts="" drops pyproject's two xdist workers (the CPU suite's)
+# the kernel tests: -o addopts="" drops pyproject's loadfile scheduling (the CPU suite's: one module, one worker)
 if [[ $steps == *" tests "* ]]; then
   workers=""
   if ls .device-carry/wheels/pytest_xdist-*.whl >/dev/null 2>&1; then

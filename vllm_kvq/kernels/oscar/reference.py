@@ -232,8 +232,9 @@ def mixed_probs(q: torch.Tensor, q_positions: torch.Tensor, k_hi: torch.Tensor, 
     g = hq // h
     # One product a KV head, keys times the group's query rows (a broadcast
     # over the group copies the keys g times: ~30x slower for a decode row on
-    # CPU). In this order a query row's scores do not depend on how many rows
-    # share the product, so a verification step's rows score as decode's do.
+    # CPU). In this order CPU BLAS gives a query row the same scores whatever
+    # the number of rows beside it (measured, not promised), so a verification
+    # step's rows score as their decode steps do.
     qg = q.float().view(t, h, g, d).permute(1, 3, 2, 0).reshape(h, d, g * t)  # [H, D, g T]
     s_hi = torch.matmul(k_hi.permute(1, 0, 2), qg).view(h, s, g, t).permute(0, 2, 3, 1)  # [H, g, T, S]
     s_lo = torch.matmul(k_lo.permute(1, 0, 2), qg).view(h, s, g, t).permute(0, 2, 3, 1)
@@ -250,7 +251,8 @@ def mix_values(p_hi: torch.Tensor, p_lo: torch.Tensor, v_hi: torch.Tensor, v_lo:
     """``p_hi·V_bf16 + p_lo·V_quant`` as ``[T, Hq, D]`` fp32."""
     h, group, t, s = p_hi.shape
     vh, vl = v_hi.permute(1, 0, 2), v_lo.permute(1, 0, 2)  # [H, S, D]
-    # the group's rows times the values: each row's result independent of the row count, as above
+    # the group's rows times the values: the order in which a row's result
+    # does not move with the row count, as above
     out = torch.matmul(p_hi.reshape(h, group * t, s), vh) + torch.matmul(p_lo.reshape(h, group * t, s), vl)
     return out.view(h, group, t, -1).permute(2, 0, 1, 3).reshape(t, h * group, -1)
 
