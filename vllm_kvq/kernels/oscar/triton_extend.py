@@ -42,7 +42,10 @@ def default_launch(head_size: int) -> dict:
     so each doubling past 128 halves the rows and the key tile (head size 256
     then spills 36-44 B for sm_90a instead of 1.5 KB; sized by registers, not timed)."""
     wide = max(head_size, 128) // 128
-    return {**LAUNCH, "rows": max(64 // wide, 16), "block_n": max(64 // wide, 16)}
+    launch = {**LAUNCH, "rows": max(64 // wide, 16), "block_n": max(64 // wide, 16)}
+    if head_size < 128:  # see key_tile: 4 warps there fault at 48-token blocks (Triton 3.6, H100)
+        launch["num_warps"] = 2
+    return launch
 
 
 def key_tile(block_n: int, head_size: int, block_size: int) -> int:
@@ -51,7 +54,9 @@ def key_tile(block_n: int, head_size: int, block_size: int) -> int:
     tile does not divide the block) and at most half the head size. Compiled by Triton 3.6 for the H200, 64-key tiles
     at head size 64 give wrong outputs (64-token blocks) or fault (48-token
     blocks), while 32-key tiles there and 64-key tiles at head size 128 match
-    the reference."""
+    the reference; 32-key tiles through 48-token blocks need 2 warps
+    (:func:`default_launch`: with 4 the score product's shared memory is
+    addressed out of range)."""
     return min(block_n, head_size // 2, 1 << (block_size.bit_length() - 1))
 
 
