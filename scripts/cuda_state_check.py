@@ -36,7 +36,7 @@ reports which path its decode batches took, and a mismatch is listed under
    pool, and under graphs within 0.001 of eager, having replayed. The
    control: the same pool with BF16 attention (``stepquant_mixed``) must
    differ from it, or the check cannot see the attention cache.
-2. ``speed``: a larger model (16 value heads of 128 x 128 per GDN layer), 256
+2. ``speed``: a larger model (16 value heads of 128 x 128 per GDN layer), 512
    requests decoding at once (eager): tokens/s with FP32 states, the INT6
    pool through the Triton step, and staged. ``tok_s`` is the whole
    generate call (prefill included), ``decode_tok_s`` the decode part only
@@ -96,7 +96,7 @@ GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_si
 GRAPH_BOUND = 0.001  # mean |dlogprob| of a graph engine from its eager twin
 CHECK = dict(model="small", mem=0.2, max_len=2048, batch=16, requests=16, prompt_len=400, gen=32, logprobs=True,
              timeout=240)
-SPEED = dict(model="large", mem=0.5, max_len=1024, batch=256, requests=256, prompt_len=256, gen=64, logprobs=False,
+SPEED = dict(model="large", mem=0.5, max_len=1024, batch=512, requests=512, prompt_len=256, gen=64, logprobs=False,
              timeout=240)
 # (step, name, kvq settings or None for FP32 states, expected decode path); most important first. Names
 # ending in _graphs run with GRAPHS (``refused``: start-up must refuse vLLM's default graph mode).
