@@ -54,7 +54,9 @@ SHAPES = {
     "house-qwen3next": (4, 2, {"@6": (4, 6, 6, 8), "@4": (2, 4, 4, 6)}),
     "qwen3.5-27b-like": (48, 16, {"@6": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,),
                                   "@4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,),
-                                  "@6 rowwise": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,)}),
+                                  "@6 rowwise": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,),
+                                  "@6 refit every 4": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,),
+                                  "@4 refit every 4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,)}),
 }
 FG_LAUNCHES = [  # most wanted first; later ones are skipped past the time budget
     {"fg_tile": 32, "fg_tiles": 4, "fg_warps": 4},
@@ -74,7 +76,8 @@ class Setup:
         self.smoke = smoke
         self.dev = "cuda" if torch.cuda.is_available() else "cpu"
         self.batch, self.kd = (4, 32) if smoke else (512, 128)
-        self.shapes = ({"toy": (4, 2, {"@6": (4, 6, 16, 8), "@4": (2, 4, 6, 4), "@6 rowwise": (4, 6, 16, 8)})}
+        self.shapes = ({"toy": (4, 2, {"@6": (4, 6, 16, 8), "@4": (2, 4, 6, 4), "@6 rowwise": (4, 6, 16, 8),
+                                     "@6 refit every 4": (4, 6, 16, 8)})}
                        if smoke else SHAPES)
         self.model = (dict(MODEL, hidden=64, mlp=96, heads=4, key_heads=2, attn_heads=2, kv_heads=1, attn_dim=32,
                            context=16, layers=4) if smoke else MODEL)
@@ -146,12 +149,19 @@ def fit_of(plan_name: str) -> str:
     return "rowwise" if plan_name.endswith("rowwise") else "stepquant"
 
 
-def packed_pool(su: Setup, bits: tuple, h: int, gen: torch.Generator, fit: str = "stepquant"):
+def tail_of(plan_name: str) -> int:
+    """Updates a record holds (``... refit every N``: N - 1). Such a plan's
+    foreground and writeback timed alone see records holding none (a step
+    that appends); its step and the overlapped stack cycle through the fits."""
+    return int(plan_name.rsplit("refit every ", 1)[1]) - 1 if "refit every " in plan_name else 0
+
+
+def packed_pool(su: Setup, bits: tuple, h: int, gen: torch.Generator, fit: str = "stepquant", tail: int = 0):
     """A pool of valid records (realistic fitted states) for the batch, slot 0 unused."""
     from vllm_kvq.kernels.stepquant import reference as ref
     from vllm_kvq.kernels.stepquant.format import StateLayout
 
-    lay = StateLayout(bits, su.kd, su.kd)
+    lay = StateLayout(bits, su.kd, su.kd, tail=tail)
     w = torch.exp(torch.randn(h, su.kd, device=su.dev, generator=gen) * 0.4)
     w = w / w.log().mean(-1, keepdim=True).exp()
     pool = torch.zeros(su.batch + 1, lay.size, dtype=torch.uint8, device=su.dev)
@@ -191,7 +201,7 @@ def op_section(su: Setup, budget_s: float) -> dict:
         entry["state_bytes_fp32"] = 4 * h * kd * kd
         for plan_name, bits in plans.items():
             fit = fit_of(plan_name)
-            lay, w, pool = packed_pool(su, bits, h, gen, fit)
+            lay, w, pool = packed_pool(su, bits, h, gen, fit, tail_of(plan_name))
             plan = ts.StepPlan(lay, w, su.dev, fit)
             qkv = (raw[0][:, : hk * kd].unflatten(1, (hk, kd)), raw[0][:, hk * kd : 2 * hk * kd].unflatten(1, (hk, kd)),
                    raw[0][:, 2 * hk * kd :].unflatten(1, (h, kd)))
@@ -343,7 +353,7 @@ def overlap_section(su: Setup, launch: dict | None) -> dict:
     for plan_name, bits in widths.items():
         pools, decoders, serial = [], [], []
         for _ in range(gdn_layers):
-            lay, w, pool = packed_pool(su, bits, h, gen, fit_of(plan_name))
+            lay, w, pool = packed_pool(su, bits, h, gen, fit_of(plan_name), tail_of(plan_name))
             layer = LayerPool(lay, w, fit_of(plan_name), torch.float32)
             pools.append(pool)
             decoders.append(PackedDecoder(layer, su.dev, hk, n))

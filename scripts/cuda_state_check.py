@@ -21,6 +21,8 @@ reports which path its decode batches took, and a mismatch is listed under
    pool's must be within 0.01 of FP32's on average, and the Triton step's
    within 0.01 of the staged path's on the same plan. The control: uniform
    INT6 must move them at all, or the check cannot see the states. The plan
+   with held updates (``state_refit_every: 4``) must be no further from FP32
+   than the plan refitted every step (within 10%). The plan
    again with full CUDA graphs for decode-only batches (``GRAPHS``, padded
    batches included) must be within 0.001 of its eager run (a tenth of the
    staged path's distance from the Triton step: graphs that held the staged
@@ -109,6 +111,8 @@ JOBS = [
     ("check", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
     ("speed", "fp32_state", None, None),
     ("speed", "uniform_int6", {"state": "uniform", "state_bits": 6}, "triton"),
+    ("check", "stepquant_mixed_refit4", {**MIXED, "state_refit_every": 4}, "triton"),
+    ("speed", "uniform_int6_refit4", {"state": "uniform", "state_bits": 6, "state_refit_every": 4}, "triton"),
     ("check", "stepquant_mixed_staged", {**MIXED, **STAGED}, "staged"),
     ("check", "oscar_stepquant_mixed", {**OSCAR, **MIXED}, "triton"),
     ("check", "oscar_stepquant_mixed_graphs", {**OSCAR, **MIXED}, "graph"),
@@ -321,6 +325,9 @@ def summarize(report: dict, results: dict) -> None:
             verdict["int6_state_error_visible"] = check["uniform_int6"]["vs_fp32"]["dlogprob_max"] > 0
         if "vs_staged" in check.get("stepquant_mixed", {}):
             verdict["triton_decode_matches_staged"] = check["stepquant_mixed"]["vs_staged"]["dlogprob_mean"] < 0.01
+        held, plain = check.get("stepquant_mixed_refit4", {}), check.get("stepquant_mixed", {})
+        if "vs_fp32" in held and "vs_fp32" in plain:  # held updates round the state less often: no further from FP32
+            verdict["held_updates_no_worse"] = held["vs_fp32"]["dlogprob_mean"] <= 1.1 * plain["vs_fp32"]["dlogprob_mean"]
         graphs = check.get("stepquant_mixed_graphs", {})
         if "vs_eager" in graphs:
             verdict["graphs_match_eager"] = graphs["vs_eager"]["dlogprob_mean"] < GRAPH_BOUND

@@ -197,6 +197,8 @@ def test_state_pool_needs_a_gdn_model():
     ({"state": "uniform", "state_bits": 5}, "state_bits must be one of"),
     ({"state": "int6"}, "kvq.state must be one of"),
     ({"state_artifact": "/nowhere"}, "kvq.state is not"),
+    ({"state": "uniform", "state_refit_every": 0}, "state_refit_every must be an integer from 1 to 8"),
+    ({"state_refit_every": 4}, "state_refit_every is set but kvq.state is not"),
 ])
 def test_bad_state_settings_fail_at_start(kvq, message):
     with pytest.raises(Exception, match=message):

@@ -88,6 +88,27 @@ def test_decode_plan_takes_the_triton_step_where_it_can():
     assert decode_plan(odd, cpu, 1) is None  # K = 48: the kernel needs powers of two; stays staged
 
 
+def test_refit_every_holds_updates_in_the_record():
+    """``state_refit_every: 4``: every layer's records hold 3 updates (their
+    bytes after the heads, format.py), in the one record size vLLM allocates."""
+    from transformers import AutoConfig
+
+    from tests.conftest import model_path
+    from vllm_kvq.backends.resolve import pool_plan
+    from vllm_kvq.backends.settings import OscarSettings
+
+    cfg = AutoConfig.from_pretrained(model_path(MODEL))
+    plain, held = (pool_plan(OscarSettings.from_dict({"state": "uniform", "state_bits": 6, **extra}), cfg, 1)
+                   for extra in ({}, {"state_refit_every": 4}))
+    for layer in plain.bits:
+        lay, lay_held = plain.local(layer, 1, 0)[0], held.local(layer, 1, 0)[0]
+        assert (lay.tail, lay_held.tail) == (0, 3)
+        # 4 heads of 128 x 128: a count, then per head d and w (16 B) and 3 x (u, k) in fp16
+        assert lay_held.packed_bytes == -(-lay.packed_bytes // 16) * 16 + 16 + 4 * (16 + 3 * 2 * 256)
+        assert held.record_bytes == -(-lay_held.packed_bytes // 16) * 16 == lay_held.size
+    assert "refit every 4" in held.source
+
+
 @pytest.fixture(scope="module")
 def prompts():
     return [r["prompt"] for r in needles(max_tokens=1500, limit=6)]

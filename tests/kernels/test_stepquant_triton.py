@@ -491,3 +491,34 @@ def test_two_streams_and_a_cuda_graph_give_the_synchronous_step():
     forward(layers, captured, *steps[3], outs)
     forward(twins, twin, *steps[3], want, join=False)
     check(captured, twin, outs, want)
+
+
+@pytest.mark.parametrize("shape", SMALL[:2] + REAL_SHAPES[1:2] * REAL, ids=_ids)
+@pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
+def test_held_updates_match_reference(shape, fast):
+    """Records holding up to 3 updates (``tail = 3``): requests at every
+    count, so that each step some refit and the others append, four steps
+    in a row, each against ``reference.step`` from the same records."""
+    import dataclasses
+
+    bits, kd, vd, _, hk = shape
+    n = 4  # one request at each count
+    lay0, w, rec0, *_ = _inputs(bits, kd, vd, n, hk, seed=8)
+    lay = dataclasses.replace(lay0, tail=3)
+    h = len(bits)
+    x = ref.decode(rec0, lay0)
+    rec = ref.encode(x, lay, w)
+    for s in range(lay.tail):  # request r holds r updates
+        rows = torch.tensor([r for r in range(n) if r > s])
+        _, _, _, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=40 + s)
+        rec[rows] = ref.step(rec[rows], lay, w, *(_expand(t, h)[rows] for t in (q, k)), v[rows], g[rows],
+                             beta[rows])[1]
+    assert ref._tail_views(rec, lay)[0].tolist() == list(range(n))
+    for s in range(4):
+        _, _, _, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=50 + s)
+        want = ref.step(rec, lay, w, _expand(q, h), _expand(k, h), v, g, beta)
+        dev = [t.to(DEV) for t in (rec, q, k, v, g, beta)]
+        got = step(dev[0], lay, w, *dev[1:], fast=fast)
+        assert_close_step(lay, want, got)
+        assert ref._tail_views(got[1].cpu(), lay)[0].tolist() == [(r + s + 1) % (lay.tail + 1) for r in range(n)]
+        rec = want[1]

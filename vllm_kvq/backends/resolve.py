@@ -106,12 +106,13 @@ class PoolPlan:
     num_v_heads: int
     record_bytes: int
     source: str
+    tail: int = 0  # updates a record holds between fits (kvq.state_refit_every - 1)
 
     def local(self, layer: int, tp_size: int, tp_rank: int):
         """This rank's record layout and impacts of a layer."""
         per = self.num_v_heads // tp_size
         heads = slice(tp_rank * per, (tp_rank + 1) * per)
-        layout = StateLayout(self.bits[layer][heads], self.k_dim, self.v_dim, self.record_bytes)
+        layout = StateLayout(self.bits[layer][heads], self.k_dim, self.v_dim, self.record_bytes, self.tail)
         return layout, self.impact[layer][heads].contiguous()
 
     def fp32_bytes(self, tp_size: int) -> int:
@@ -155,8 +156,10 @@ def _plan(settings, fingerprint_json: str, layers: tuple, shape: tuple, tp_size:
         bits = {layer: plan.head_bits(settings.state_bits, layer) for layer in layers}
         impact = {layer: plan.impact(layer) for layer in layers}
         fit, source = "stepquant", f"{settings.state_artifact} @{settings.state_bits}"
-    per = hv // tp_size
-    size = max(StateLayout(b[r * per:(r + 1) * per], k, v).packed_bytes
+    per, tail = hv // tp_size, settings.state_refit_every - 1
+    size = max(StateLayout(b[r * per:(r + 1) * per], k, v, tail=tail).packed_bytes
                for b in bits.values() for r in range(tp_size))
     size = -(-size // RECORD_ALIGN) * RECORD_ALIGN
-    return PoolPlan(bits, impact, fit, k, v, hv, size, source)
+    if tail:
+        source += f", refit every {settings.state_refit_every} steps"
+    return PoolPlan(bits, impact, fit, k, v, hv, size, source, tail)

@@ -18,6 +18,7 @@ ROTATION_MODES = ("artifact", "none", "hadamard")
 KERNELS = ("auto", "reference", "triton")
 STATE_POOLS = ("stepquant", "uniform")
 UNIFORM_BITS = (4, 6, 8, 16)
+MAX_REFIT_EVERY = 8  # the held updates take 2 (K + V) bytes a head each
 RETIRED = {
     "group_size": "each stored tier of a row is one quantization group; choose the tiers when calibrating "
                   "(`vllm-kvq calibrate --bytes-per-token N` or `--tiers ...`)",
@@ -47,6 +48,7 @@ class OscarSettings:
     state: str | None = None  # STATE_POOLS; None keeps vLLM's own GDN states
     state_artifact: str | None = None
     state_bits: int = 6
+    state_refit_every: int = 1  # decode steps a record's fit serves (the others append their rank-1 update)
     speculative_tokens: int = 0  # not a kvq key: vLLM's draft tokens per step (the ring's spare slots)
     draft_token_bytes: int = 0  # not a kvq key: a draft model's BF16 cache, bytes per token of one layer
 
@@ -108,6 +110,11 @@ class OscarSettings:
         if self.state is not None and self.state_bits not in allowed:
             raise SettingsError(f"kvq.state_bits must be one of {allowed} for state {self.state!r}, got "
                                 f"{self.state_bits!r}")
+        every = self.state_refit_every
+        if type(every) is not int or not 1 <= every <= MAX_REFIT_EVERY:
+            raise SettingsError(f"kvq.state_refit_every must be an integer from 1 to {MAX_REFIT_EVERY}, got {every!r}")
+        if every > 1 and self.state is None:
+            raise SettingsError("kvq.state_refit_every is set but kvq.state is not; add \"state\": \"stepquant\"")
         if self.state == "stepquant" and not self.state_artifact:
             raise SettingsError("kvq.state='stepquant' needs kvq.state_artifact=<dir> (make one with `vllm-kvq "
                                 "calibrate MODEL --data FILE --out DIR --stepquant`), or use state 'uniform'")

@@ -25,6 +25,23 @@ A value is ``r[i, j // (V / n_r)] * c[j] * z[i, j]`` with z the signed code:
 ``code - (2^(b-1) - 1)`` for b >= 4, and ``2 * code - 3`` (levels -3, -1, 1, 3)
 for b = 2. An all-zero record decodes to the zero state.
 
+With ``tail = t > 0`` the record also holds up to t rank-1 updates not yet
+fitted into the codes, so that a decode step refits a record only every t + 1
+steps (the others append their update, a few hundred bytes, instead of
+refitting K x V values). After the heads, at the next multiple of 16::
+
+    offset          size                content
+    0               16                  n, int32: updates held (then padding)
+    16 + e*h        e = 16*ceil((4 + 4t)/16) + 2t(V + K), for head h:
+      0             4                   d, fp32: the decay since the last fit
+      4             4*t                 w[t], fp32: each update's decay since
+      16*ceil(...)  2*t*V               u[t, V], fp16: the updates' δ
+      ...           2*t*K               k[t, K], fp16: their keys
+
+and the state is ``d X̂ + Σ_{e < n} w[e] k[e] u[e]ᵀ`` (X̂ what the codes and
+scales give). A fit stores n = 0, d = 1 (the entries stay, unread); an
+all-zero record still decodes to the zero state.
+
 The record is padded to ``record_bytes`` (the same for every layer and rank,
 because vLLM gives all state pages of a model one size).
 """
@@ -67,6 +84,7 @@ class StateLayout:
     k_dim: int
     v_dim: int
     record_bytes: int = 0  # 0: exactly the packed size
+    tail: int = 0  # rank-1 updates a record holds between fits (0: every step refits)
 
     def __post_init__(self) -> None:
         k, v = self.k_dim, self.v_dim
@@ -75,6 +93,8 @@ class StateLayout:
         bad = [b for b in self.bits if b not in WIDTHS and b != PIVOT]
         if bad:
             raise ValueError(f"state widths must be in {WIDTHS} or {PIVOT} (pivot), got {bad}")
+        if self.tail < 0:
+            raise ValueError(f"tail must be >= 0, got {self.tail}")
         if self.record_bytes and self.record_bytes < self.packed_bytes:
             raise ValueError(f"record_bytes {self.record_bytes} < packed size {self.packed_bytes}")
 
@@ -101,8 +121,26 @@ class StateLayout:
         return self._slots[0]
 
     @property
-    def packed_bytes(self) -> int:
+    def heads_bytes(self) -> int:
+        """The heads' bytes, back to back."""
         return self._slots[1]
+
+    @property
+    def tail_offset(self) -> int:
+        """Where the held updates start (the count n; see the module docstring)."""
+        return -(-self.heads_bytes // 16) * 16
+
+    @property
+    def tail_head_bytes(self) -> int:
+        t = self.tail
+        return -(-(4 + 4 * t) // 16) * 16 + 2 * t * (self.v_dim + self.k_dim)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes in use: the heads, and the held updates when ``tail > 0``."""
+        if not self.tail:
+            return self.heads_bytes
+        return self.tail_offset + 16 + len(self.bits) * self.tail_head_bytes
 
     @property
     def size(self) -> int:

@@ -193,7 +193,13 @@ def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str 
         raise ValueError(f"INT2 heads need row partials per {INT2_GROUP} columns, got {parts.shape[2]} per row")
     x = x.float()
     out = torch.empty(n, layout.size, dtype=torch.uint8, device=x.device)
-    out[:, layout.packed_bytes :] = 0  # heads fill [0, packed_bytes) back to back
+    out[:, layout.heads_bytes :] = 0  # heads fill [0, heads_bytes) back to back; no updates held
+    if layout.tail:  # no update held, d = 1
+        h, t = len(layout.bits), layout.tail
+        zeros = torch.zeros(n, h, t, device=x.device)
+        out[:, layout.tail_offset : layout.packed_bytes] = _tail_bytes(
+            torch.zeros(n, dtype=torch.int32, device=x.device), torch.ones(n, h, device=x.device), zeros,
+            zeros[..., None].expand(n, h, t, v), zeros[..., None].expand(n, h, t, k), layout)
     slots = layout.heads
     for bits in sorted(set(layout.bits)):
         idx = [i for i, b in enumerate(layout.bits) if b == bits]
@@ -224,6 +230,48 @@ def decode(records: torch.Tensor, layout: StateLayout, out: torch.Tensor | None 
     k, v = layout.k_dim, layout.v_dim
     if out is None:
         out = torch.empty(n, len(layout.bits), k, v, dtype=torch.float32, device=records.device)
+    _decode_heads(records, layout, out)
+    if layout.tail:
+        held, d, w, u, keys = _tail_views(records, layout)
+        live = torch.arange(layout.tail, device=records.device) < held[:, None, None]  # [N, 1, t]
+        out.mul_(d[..., None, None]).add_(torch.einsum("nhe,nhek,nhev->nhkv", torch.where(live, w, 0.0),
+                                                      keys.float(), u.float()))
+    return out
+
+
+def _tail_views(records: torch.Tensor, layout: StateLayout):
+    """The held updates of records ``[N, size]`` (format.py), as views of a
+    copy: (n [N] int32, d [N, H], w [N, H, t], u [N, H, t, V] fp16, k [N, H,
+    t, K] fp16). :func:`_tail_bytes` packs them back."""
+    n, h, t = records.shape[0], len(layout.bits), layout.tail
+    at = layout.tail_offset
+    raw = records[:, at : layout.packed_bytes].contiguous()
+    held = raw[:, :4].view(torch.int32).view(n)
+    heads = raw[:, 16:].view(n, h, layout.tail_head_bytes)
+    head = -(-(4 + 4 * t) // 16) * 16
+    sc = heads[..., :head].view(torch.float32)
+    uk = heads[..., head:].view(torch.float16)
+    u = uk[..., : t * layout.v_dim].unflatten(-1, (t, layout.v_dim))
+    return held, sc[..., 0], sc[..., 1 : 1 + t], u, uk[..., t * layout.v_dim :].unflatten(-1, (t, layout.k_dim))
+
+
+def _tail_bytes(held, d, w, u, k, layout: StateLayout) -> torch.Tensor:
+    """The bytes ``[N, packed_bytes - tail_offset]`` of :func:`_tail_views`' fields."""
+    n, h, t = held.shape[0], len(layout.bits), layout.tail
+    head = -(-(4 + 4 * t) // 16) * 16
+    out = torch.zeros(n, layout.packed_bytes - layout.tail_offset, dtype=torch.uint8, device=held.device)
+    out[:, :4] = held.to(torch.int32).view(n, 1).view(torch.uint8)
+    heads = out[:, 16:].view(n, h, layout.tail_head_bytes)
+    sc = torch.cat((d.float()[..., None], w.float()), -1).contiguous().view(torch.uint8)
+    heads[..., : sc.shape[-1]] = sc
+    heads[..., head:] = torch.cat((u.half().flatten(-2), k.half().flatten(-2)), -1).contiguous().view(torch.uint8)
+    return out
+
+
+def _decode_heads(records: torch.Tensor, layout: StateLayout, out: torch.Tensor) -> None:
+    """X̂ of every head (the codes and scales alone) into ``out``."""
+    n = records.shape[0]
+    k, v = layout.k_dim, layout.v_dim
     for i, s in enumerate(layout.heads):
         raw = records[:, s.codes : s.codes + s.codes_bytes]
         if s.bits == PIVOT:
@@ -234,7 +282,6 @@ def decode(records: torch.Tensor, layout: StateLayout, out: torch.Tensor | None 
         r = records[:, s.rows : s.rows + 2 * k * g].contiguous().view(torch.float16).view(n, k, g, 1).float()
         c = records[:, s.cols : s.cols + 2 * v].contiguous().view(torch.float16).view(n, 1, g, v // g).float()
         torch.mul(r * c, z.view(n, k, g, v // g), out=out[:, i].view(n, k, g, v // g))
-    return out
 
 
 def roundtrip(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str = "stepquant") -> torch.Tensor:
@@ -277,8 +324,38 @@ def step(
     readout), and ``new_records = encode(X)``. Returns (out fp32 [N, H, V],
     new_records).
     """
-    x, out, _ = _update(records, layout, q, k, v, g, beta)
-    return out, encode(x, layout, impact, fit)
+    x, out, delta = _update(records, layout, q, k, v, g, beta)
+    return out, commit(records, layout, impact, x, k, delta, torch.exp(g.float()), fit)
+
+
+def commit(records, layout, impact, x, k, delta, decay, fit: str = "stepquant", parts=None) -> torch.Tensor:
+    """The new records for the updated states ``x`` (``X = decay S_old + k
+    δᵀ``): fitted (:func:`encode`, with ``parts`` as there), or, while a
+    record holds fewer than ``layout.tail`` updates, the old codes kept and
+    this update appended (format.py)."""
+    if not layout.tail:
+        return encode(x, layout, impact, fit, parts=parts)
+    held, d, w, u, keys = _tail_views(records, layout)
+    due = held >= layout.tail
+    new = records.clone()
+    if bool(due.any()):  # fitted: nothing held, d = 1, the stale entries left as they were
+        fitted = encode(x[due], layout, impact, fit, parts=None if parts is None else parts[due])
+        _, _, w_due, u_due, k_due = _tail_views(records[due], layout)
+        fitted[:, layout.tail_offset : layout.packed_bytes] = _tail_bytes(
+            torch.zeros(int(due.sum()), dtype=torch.int32, device=x.device), torch.ones_like(d[due]), w_due, u_due,
+            k_due, layout)
+        new[due] = fitted
+    keep = ~due
+    if bool(keep.any()):
+        rows, e = torch.arange(int(keep.sum()), device=records.device), held[keep].long()
+        step_decay = decay[keep].float()
+        w, u, kk = w[keep] * step_decay[..., None], u[keep].clone(), keys[keep].clone()
+        w[rows, :, e] = 1.0
+        u[rows, :, e] = delta[keep].half()
+        kk[rows, :, e] = k[keep].half()
+        new[keep, layout.tail_offset : layout.packed_bytes] = _tail_bytes(
+            held[keep] + 1, d[keep] * step_decay, w, u, kk, layout)
+    return new
 
 
 # ---------------------------------------------------------------------------
@@ -306,4 +383,4 @@ def writeback(records, layout, impact, k, decay, delta, parts, fit: str = "stepq
     the partials' summation order moves a row factor across an fp16 rounding
     boundary."""
     x = decay.float()[..., None, None] * decode(records, layout) + k.float().unsqueeze(-1) * delta.unsqueeze(-2)
-    return encode(x, layout, impact, fit, parts=parts)
+    return commit(records, layout, impact, x, k, delta, decay, fit, parts)

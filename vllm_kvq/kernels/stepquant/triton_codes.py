@@ -149,3 +149,18 @@ def head_record(pool, pool16, idx_ptr, s_idx, n, slot_stride, ALIGN: tl.constexp
     slot = tl.load(idx_ptr + n * s_idx).to(tl.int64)
     base = tl.multiple_of(slot * slot_stride, ALIGN)
     return slot, pool + base, pool16 + base // 2
+
+
+@triton.jit
+def held_updates(rec, tail_off, h, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
+    """A record's held updates for head ``h`` (format.py, ``tail = T``, TP
+    the next power of two): (held count, fp32 pointer to d then w, fp16
+    pointers to u ``[T, V]`` and k ``[T, K]``, the entry index ``[TP]``, which
+    entries are held)."""
+    HEAD: tl.constexpr = (4 + 4 * T + 15) // 16 * 16 + 2 * T * (V + K)
+    base = rec + tail_off
+    held = tl.load(base.to(tl.pointer_type(tl.int32)))
+    hb = base + 16 + h * HEAD
+    u = (hb + (4 + 4 * T + 15) // 16 * 16).to(tl.pointer_type(tl.float16))
+    e = tl.arange(0, TP)
+    return held, hb.to(tl.pointer_type(tl.float32)), u, u + T * V, e, (e < held) & (e < T)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_kvq.kernels.stepquant.triton_codes import head_record, rcp, rebuild, signed, unpack
+from vllm_kvq.kernels.stepquant.triton_codes import head_record, held_updates, rcp, rebuild, signed, unpack
 
 
 @triton.jit
@@ -28,20 +28,33 @@ def _store_parts(ax, at, NP: tl.constexpr, PART: tl.constexpr, K: tl.constexpr, 
 
 
 @triton.jit
+def _entry(wt, keys, u3, e, ee: tl.constexpr, K: tl.constexpr):
+    """Held update ``ee`` of a tile, ``[4, TQ, K]``: ``wt[ee] keys[ee, i] u3[ee, a, b]``
+    (rows of the [TP, .] operands picked by a masked sum: Triton has no indexing)."""
+    k_e = tl.sum(tl.where((e == ee)[:, None], keys, 0.0), axis=0)
+    w_e = tl.sum(tl.where(e == ee, wt, 0.0), axis=0)
+    u_e = tl.sum(tl.where((e == ee)[:, None, None], u3, 0.0), axis=0)
+    return (w_e * tl.reshape(k_e, (1, 1, K))) * u_e[:, :, None]
+
+
+@triton.jit
 def foreground_kernel(
     pool, pool16, idx_ptr, s_idx, slot_stride, min_slot,
     heads_ptr, codes_ptr, rows_ptr, cols_ptr,
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, alog_ptr, dtb_ptr, out_ptr,
-    slots_ptr, delta_ptr, part_ptr, keys_ptr, decay_ptr,
+    slots_ptr, delta_ptr, part_ptr, keys_ptr, decay_ptr, held_ptr, tail_off,
     sqn, sqh, skn, skh, svn, svh, sgn, sgh, sbn, sbh, H, QK_GROUP,
     BITS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, TILE: tl.constexpr, TILES: tl.constexpr,
     PART: tl.constexpr, FAST: tl.constexpr, ALIGN: tl.constexpr, ROWWISE: tl.constexpr, ASM: tl.constexpr,
-    RAW: tl.constexpr,
+    RAW: tl.constexpr, T: tl.constexpr, TP: tl.constexpr,
 ):
     """Program (p, j, n): ``TILES`` tiles of ``TILE`` value columns, from
     column ``p * TILES * TILE``, of head ``heads[j]`` of request n. With RAW,
     q, k are vLLM's post-conv rows and g, beta its gate inputs a, b: they are
-    normalised and gated here as vLLM's decode kernel does it."""
+    normalised and gated here as vLLM's decode kernel does it. With held
+    updates (T > 0) the state is ``d X̂ + Σ w_e k_e u_eᵀ`` (format.py); the
+    row partials are only needed, and only written, when the record is due
+    for its fit (T updates held)."""
     p = tl.program_id(0)
     j = tl.program_id(1)
     n = tl.program_id(2).to(tl.int64)
@@ -73,6 +86,21 @@ def foreground_kernel(
             beta = tl.sigmoid(beta)
         decay = tl.exp(g)
         kq = tl.sum(k3 * q3, axis=2)
+        # decay_x: the codes' decay (d exp(g) with held updates); a_k, a_q [TP]: each held update's weight in
+        # Sᵀk and Sᵀq (exp(g) w_e (k_e·k), (k_e·q)); due: the partials are wanted
+        decay_x = decay
+        due = True
+        if T > 0:
+            held, sc, ut, kt, e, live = held_updates(rec, tail_off, h, T, TP, K, V)
+            due = held >= T
+            decay_x = decay * tl.load(sc)
+            wt = tl.where(live, decay * tl.load(sc + 1 + e, mask=e < T, other=0.0), 0.0)
+            keys_t = tl.load(kt + e[:, None] * K + tl.arange(0, K)[None, :], mask=live[:, None], other=0.0)
+            keys_t = keys_t.to(tl.float32)
+            a_k = wt * tl.sum(keys_t * tl.reshape(k3, (1, K)), axis=1)
+            a_q = wt * tl.sum(keys_t * tl.reshape(q3, (1, K)), axis=1)
+            if (p == 0) & (j == 0):
+                tl.store(held_ptr + n, held)
         co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
         ro = tl.multiple_of(tl.load(rows_ptr + j), ALIGN)
         cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2
@@ -81,7 +109,7 @@ def foreground_kernel(
         else:
             r = tl.load(rec16 + ro // 2 + i3 * (V // 32 if BITS == 2 else 1)).to(tl.float32)
         # the fast form's row scale exp(g) r, floored at 2^-40 (a fresh record's r is 0), and k over it
-        d_fl = tl.maximum(decay * r, 9.094947017729282e-13) if FAST else tl.full((1, 1, K), 1.0, tl.float32)
+        d_fl = tl.maximum(decay_x * r, 9.094947017729282e-13) if FAST else tl.full((1, 1, K), 1.0, tl.float32)
         k_fl = k3 * rcp(d_fl, ASM)
         # heads other than INT2 sum their rows across the program's tiles in registers and reduce once
         ACC: tl.constexpr = BITS != 2 and TILES > 1 and (TILE * TILES) % PART == 0
@@ -97,7 +125,7 @@ def foreground_kernel(
                 else:
                     r = tl.load(rec16 + ro // 2 + i3 * (V // 32) + b3 // 8).to(tl.float32)
                 if FAST:
-                    d_fl = tl.maximum(decay * r, 9.094947017729282e-13)
+                    d_fl = tl.maximum(decay_x * r, 9.094947017729282e-13)
                     k_fl = k3 * rcp(d_fl, ASM)
             if BITS == 16:
                 z = unpack(rec + co, a3, i3, b3, BITS, V).to(tl.float32)
@@ -106,34 +134,56 @@ def foreground_kernel(
                 z = signed(unpack(rec + co, a3, i3, b3, BITS, V), BITS)
                 c = tl.load(cp + col2).to(tl.float32)
             vv = tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32)
+            if T > 0:  # the held updates' rows u_e of these columns, [TP, 4, TQ]
+                u3 = tl.load(ut + e[:, None, None] * V + col2[None, :, :], mask=live[:, None, None],
+                             other=0.0).to(tl.float32)
             if FAST:
-                # S = dr c z with dr = exp(g) r: Sᵀk = c Σ_i z (dr k), one FMA an element per sum;
+                # S = dr c z (+ held) with dr = exp(g) d r: Sᵀk = c Σ_i z (dr k), one FMA an element per sum;
                 # Xᵀq = Sᵀq + (k·q) δ
-                dr = decay * r
-                delta = beta * (vv - c * tl.sum(z * (dr * k3), axis=2))
-                tl.store(out_ptr + scratch * V + col2, c * tl.sum(z * (dr * q3), axis=2) + kq * delta)
-                # |X| = dr c |z + (k / dr)(δ / c)|: two FMAs an element, dr applied to the row sums; dr and
-                # c floored at 2^-40 (a fresh record's are 0), which moves X by at most 2^-80 |z|
-                c_fl = tl.maximum(c, 9.094947017729282e-13)
-                ax = tl.abs(z + k_fl * (delta * rcp(c_fl, ASM))[:, :, None]) * c_fl[:, :, None]
+                dr = decay_x * r
+                s_k = c * tl.sum(z * (dr * k3), axis=2)
+                s_q = c * tl.sum(z * (dr * q3), axis=2)
+                if T > 0:
+                    s_k += tl.sum(a_k[:, None, None] * u3, axis=0)
+                    s_q += tl.sum(a_q[:, None, None] * u3, axis=0)
+                delta = beta * (vv - s_k)
+                tl.store(out_ptr + scratch * V + col2, s_q + kq * delta)
             else:  # the reference's operations
-                s = rebuild(z, r, c[:, :, None], decay, False)
+                s = rebuild(z, r, c[:, :, None], decay_x, False)
+                if T > 0:
+                    for ee in tl.static_range(T):
+                        s += _entry(wt, keys_t, u3, e, ee, K)
                 delta = beta * (vv - tl.sum(s * k3, axis=2))
                 x = s + k3 * delta[:, :, None]
                 tl.store(out_ptr + scratch * V + col2, tl.sum(x * q3, axis=2))
-                ax = tl.abs(x)
             tl.store(delta_ptr + scratch * V + col2, delta)
-            if ACC:
-                acc = tl.maximum(acc, ax) if ROWWISE else acc + ax
-            else:
-                _store_parts(ax * d_fl, part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
-        if ACC:  # into the program's first slot; its others (when the layer keeps sums per 32 columns) zeroed
-            NPP: tl.constexpr = TILE * TILES // PART
-            _store_parts(acc * d_fl, part_ptr + (scratch * PG + p * NPP) * K, 1, TILE, K, ROWWISE)
-            if NPP > 1:
-                slots = tl.arange(0, NPP)[:, None]
-                tl.store(part_ptr + (scratch * PG + p * NPP + slots) * K + tl.arange(0, K)[None, :],
-                         tl.zeros((NPP, K), tl.float32), mask=slots > 0)
+            if due:
+                if FAST:
+                    # |X| = dr c |z + (k / dr)(δ / c) + Σ_e (exp(g) w_e k_e / dr)(u_e / c)|: two FMAs an
+                    # element (two more a held update), dr applied to the row sums; dr and c floored at 2^-40
+                    # (a fresh record's are 0), which moves X by at most 2^-80 |z|
+                    c_fl = tl.maximum(c, 9.094947017729282e-13)
+                    c_inv = rcp(c_fl, ASM)
+                    y = z + k_fl * (delta * c_inv)[:, :, None]
+                    if T > 0:
+                        for ee in tl.static_range(T):
+                            y += _entry(wt, keys_t * rcp(tl.reshape(d_fl, (1, K)), ASM), u3 * c_inv[None, :, :],
+                                        e, ee, K)
+                    ax = tl.abs(y) * c_fl[:, :, None]
+                else:
+                    ax = tl.abs(x)
+                if ACC:
+                    acc = tl.maximum(acc, ax) if ROWWISE else acc + ax
+                else:
+                    _store_parts(ax * d_fl, part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
+        if ACC:
+            if due:  # into the program's first slot; its others (when the layer keeps sums per 32 columns) zeroed
+                NPP: tl.constexpr = TILE * TILES // PART
+                _store_parts(acc * d_fl, part_ptr + (scratch * PG + p * NPP) * K, 1, TILE, K, ROWWISE)
+                if NPP > 1:
+                    slots = tl.arange(0, NPP)[:, None]
+                    tl.store(part_ptr + (scratch * PG + p * NPP + slots) * K + tl.arange(0, K)[None, :],
+                             tl.zeros((NPP, K), tl.float32), mask=slots > 0)
         if p == 0:
             tl.store(decay_ptr + scratch, decay)
             if h % QK_GROUP == 0:

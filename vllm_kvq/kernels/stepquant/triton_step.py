@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from vllm_kvq.kernels.stepquant.format import FITS, INT2_GROUP, StateLayout
 from vllm_kvq.kernels.stepquant.triton_foreground import foreground_kernel
@@ -105,6 +106,7 @@ class StepScratch:
         self.parts = torch.zeros(capacity, h, vd // self.part, kd, **f32)
         self.keys = torch.zeros(capacity, key_heads, kd, **f32)
         self.decay = torch.zeros(capacity, h, **f32)
+        self.held = torch.zeros(capacity, dtype=torch.int32, device=device)  # updates each record held
 
     @staticmethod
     def part_width(layout: StateLayout, span: int) -> int:
@@ -114,7 +116,7 @@ class StepScratch:
     def bytes_per_request(layout: StateLayout, key_heads: int, span: int | None = None) -> int:
         h, kd, vd = len(layout.bits), layout.k_dim, layout.v_dim
         part = StepScratch.part_width(layout, span or fg_span())
-        return 4 * (1 + h * (vd + vd // part * kd + 1) + key_heads * kd)
+        return 4 * (2 + h * (vd + vd // part * kd + 1) + key_heads * kd)
 
 
 def _check(pool: torch.Tensor, state_indices: torch.Tensor, plan: StepPlan, n: int) -> None:
@@ -123,9 +125,10 @@ def _check(pool: torch.Tensor, state_indices: torch.Tensor, plan: StepPlan, n: i
             or (pool.shape[0] > 1 and pool.stride(0) < lay.size)):
         raise ValueError(f"pool must be uint8 [slots, {lay.size}] with unit stride inside a record, got "
                          f"{tuple(pool.shape)} {pool.dtype} strides {pool.stride()}")
-    if pool.stride(0) % 2 or pool.storage_offset() % 2:
+    align = 4 if lay.tail else 2
+    if pool.stride(0) % align or pool.storage_offset() % align:
         raise ValueError(f"the pool's slot stride ({pool.stride(0)}) and offset ({pool.storage_offset()}) must be "
-                         "even (records hold fp16 scales)")
+                         f"multiples of {align} (records hold fp16 scales, and fp32 and int32 with held updates)")
     if state_indices.dim() != 1 or state_indices.shape[0] < n or state_indices.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"state_indices must be an int32/int64 vector of at least {n} slots, got "
                          f"{tuple(state_indices.shape)} {state_indices.dtype}")
@@ -203,11 +206,12 @@ def foreground_(
         foreground_kernel[(vd // (tile * tiles), grp.heads.numel(), n)](
             pool, pool16, state_indices, state_indices.stride(0), stride, min_slot,
             grp.heads, grp.codes, grp.rows, grp.cols, q, k, v, g, beta, a_log, dt_bias, out,
-            s.slots, s.delta, s.parts, s.keys, s.decay,
+            s.slots, s.delta, s.parts, s.keys, s.decay, s.held, lay.tail_offset,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), h, h // q.shape[1],
             BITS=grp.bits, K=kd, V=vd, TILE=tile, TILES=tiles, PART=s.part, FAST=fast, ALIGN=align,
-            ROWWISE=plan.rowwise, ASM=_asm(pool), RAW=raw_gates is not None, num_warps=lc["fg_warps"])
+            ROWWISE=plan.rowwise, ASM=_asm(pool), RAW=raw_gates is not None, T=lay.tail,
+            TP=triton.next_power_of_2(max(lay.tail, 1)), num_warps=lc["fg_warps"])
     return out
 
 
@@ -227,9 +231,9 @@ def writeback_(pool: torch.Tensor, plan: StepPlan, scratch: StepScratch, n: int,
     for grp in plan.groups:
         writeback_kernel[(grp.heads.numel(), n)](
             pool, pool16, s.slots, stride, min_slot, grp.heads, grp.codes, grp.rows, grp.cols, plan.impact,
-            s.delta, s.parts, s.keys, s.decay, h, h // s.key_heads,
+            s.delta, s.parts, s.keys, s.decay, s.held, lay.tail_offset, h, h // s.key_heads,
             BITS=grp.bits, K=kd, V=vd, TILE=tile, PART=s.part, FAST=fast, ALIGN=align, ROWWISE=plan.rowwise,
-            ASM=_asm(pool), num_warps=lc["wb_warps"])
+            ASM=_asm(pool), T=lay.tail, TP=triton.next_power_of_2(max(lay.tail, 1)), num_warps=lc["wb_warps"])
 
 
 def step_(pool, state_indices, plan: StepPlan, q, k, v, g, beta, out=None, min_slot: int = 1, fast: bool = True,
