@@ -166,9 +166,9 @@ def foreground_kernel(
                     c_inv = rcp(c_fl, ASM)
                     y = z + k_fl * (delta * c_inv)[:, :, None]
                     if T > 0:
+                        keys_dr, u_c = keys_t * rcp(tl.reshape(d_fl, (1, K)), ASM), u3 * c_inv[None, :, :]
                         for ee in tl.static_range(T):
-                            y += _entry(wt, keys_t * rcp(tl.reshape(d_fl, (1, K)), ASM), u3 * c_inv[None, :, :],
-                                        e, ee, K)
+                            y += _entry(wt, keys_dr, u_c, e, ee, K)
                     ax = tl.abs(y) * c_fl[:, :, None]
                 else:
                     ax = tl.abs(x)
