@@ -45,7 +45,7 @@ POINTERS = {
     "pool": "*u8", "pool16": "*fp16", "idx_ptr": "*i32", "heads_ptr": "*i32", "codes_ptr": "*i32",
     "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
     "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
-    "part_ptr": "*fp32", "keys_ptr": "*fp32", "decay_ptr": "*fp32", "slots_ptr": "*i32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
+    "part_ptr": "*fp32", "keys_ptr": "*fp32", "decay_ptr": "*fp32", "held_ptr": "*i32", "slots_ptr": "*i32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
     "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*bf16", "k_out_ptr": "*bf16",
     "pos_ptr": "*i32", "req_ptr": "*i32", "end_ptr": "*i32", "slot_ptr": "*i32", "kfill": "*fp32", "vfill": "*fp32",
 }
@@ -90,16 +90,19 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3, ma
             "sass": len(ins), "top": dict(ops.most_common(10)), "loops": loops}
 
 
-def stepquant_jobs(bits: list[int]) -> list[tuple[str, object, dict, int, int]]:
+def stepquant_jobs(bits: list[int], held: int = 0) -> list[tuple[str, object, dict, int, int]]:
+    """The split step's kernels for each width; ``held``: records holding
+    that many updates (kvq.state_refit_every = held + 1)."""
     lc = triton_step.LAUNCH
     jobs = []
     for b in bits:
         common = dict(BITS=b, K=128, V=128, PART=32 if b == 2 else triton_step.fg_span(), FAST=True, ALIGN=4,
-                      ROWWISE=False)
-        jobs.append((f"stepquant foreground, {b}-bit", triton_foreground.foreground_kernel,
+                      ROWWISE=False, T=held, TP=triton.next_power_of_2(max(held, 1)))
+        tag = f", {held} held" if held else ""
+        jobs.append((f"stepquant foreground, {b}-bit{tag}", triton_foreground.foreground_kernel,
                      dict(common, TILE=lc["fg_tile"], TILES=lc["fg_tiles"], ASM=True, RAW=True),
                      lc["fg_warps"], lc["fg_tile"] * 128 // (32 * lc["fg_warps"])))
-        jobs.append((f"stepquant writeback, {b}-bit", triton_writeback.writeback_kernel,
+        jobs.append((f"stepquant writeback, {b}-bit{tag}", triton_writeback.writeback_kernel,
                      dict(common, TILE=lc["wb_tile"], ASM=True), lc["wb_warps"],
                      lc["wb_tile"] * 128 // (32 * lc["wb_warps"])))
     return jobs
@@ -210,7 +213,7 @@ def main() -> None:
     ap.add_argument("--bits", nargs="*", type=int, default=[6, 4])
     ap.add_argument("--json")
     args = ap.parse_args()
-    jobs = [j for j in stepquant_jobs(args.bits) if j[0].split()[1].rstrip(",") in args.kernels]
+    jobs = [j for held in (0, 3) for j in stepquant_jobs(args.bits, held) if j[0].split()[1].rstrip(",") in args.kernels]
     if "decode" in args.kernels:
         jobs += decode_jobs()
     if "store" in args.kernels:

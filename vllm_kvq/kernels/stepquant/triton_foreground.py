@@ -142,11 +142,12 @@ def foreground_kernel(
                 # Xᵀq = Sᵀq + (k·q) δ
                 dr = decay_x * r
                 s_k = c * tl.sum(z * (dr * k3), axis=2)
-                s_q = c * tl.sum(z * (dr * q3), axis=2)
                 if T > 0:
                     s_k += tl.sum(a_k[:, None, None] * u3, axis=0)
-                    s_q += tl.sum(a_q[:, None, None] * u3, axis=0)
                 delta = beta * (vv - s_k)
+                s_q = c * tl.sum(z * (dr * q3), axis=2)
+                if T > 0:
+                    s_q += tl.sum(a_q[:, None, None] * u3, axis=0)
                 tl.store(out_ptr + scratch * V + col2, s_q + kq * delta)
             else:  # the reference's operations
                 s = rebuild(z, r, c[:, :, None], decay_x, False)
@@ -156,7 +157,6 @@ def foreground_kernel(
                 delta = beta * (vv - tl.sum(s * k3, axis=2))
                 x = s + k3 * delta[:, :, None]
                 tl.store(out_ptr + scratch * V + col2, tl.sum(x * q3, axis=2))
-            tl.store(delta_ptr + scratch * V + col2, delta)
             if due:
                 if FAST:
                     # |X| = dr c |z + (k / dr)(δ / c) + Σ_e (exp(g) w_e k_e / dr)(u_e / c)|: two FMAs an
@@ -176,6 +176,7 @@ def foreground_kernel(
                     acc = tl.maximum(acc, ax) if ROWWISE else acc + ax
                 else:
                     _store_parts(ax * d_fl, part_ptr + (scratch * PG + t * NP) * K, NP, PART, K, ROWWISE)
+            tl.store(delta_ptr + scratch * V + col2, delta)
         if ACC:
             if due:  # into the program's first slot; its others (when the layer keeps sums per 32 columns) zeroed
                 NPP: tl.constexpr = TILE * TILES // PART

@@ -19,13 +19,18 @@ def _fit_tile(z, r_old, r, c_old, decay, kk, delta, held, w, BITS: tl.constexpr,
     """Unsigned codes ``[4, TQ, K]`` and column scales ``[4, TQ]`` of one
     tile of X = decay r_old c_old z + held + k δᵀ under the new row factors
     ``r`` (``r_old``, ``r``, ``w``: [K]; ``c_old``, ``delta``: [4, TQ, 1];
-    ``kk``: [1, 1, K]; ``held``: the held updates' part, [4, TQ, K] or 0)."""
+    ``kk``: [1, 1, K]; ``held``: the held updates' part, [4, TQ, K], or None)."""
     r3 = r[None, None, :]
     if FAST:  # y = X / r directly: (exp(g) r_old / r) c z + (k / r) δ, one FMA an element
         r_inv = rcp(r, ASM)[None, None, :]
-        y = (((decay * r_old)[None, None, :] * r_inv) * c_old) * z + (kk * r_inv) * delta + held * r_inv
+        y = (((decay * r_old)[None, None, :] * r_inv) * c_old) * z + (kk * r_inv) * delta
+        if held is not None:
+            y += held * r_inv
     else:
-        x = rebuild(z, r_old[None, None, :], c_old, decay, False) + held + kk * delta
+        x = rebuild(z, r_old[None, None, :], c_old, decay, False)
+        if held is not None:
+            x += held
+        x += kk * delta
         y = div_fast(x, r3, tl.math.div_rn(1.0, r3))
     if ROWWISE:  # x / r, unit column scales
         _, u = levels(y, BITS)
@@ -58,9 +63,10 @@ def _fit_tile(z, r_old, r, c_old, decay, kk, delta, held, w, BITS: tl.constexpr,
 @triton.jit
 def _held_tile(ut, wt, keys, e, held, col2, T: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """The held updates' part of X on columns ``col2 [4, TQ]``: Σ_e wt_e
-    keys_e uᵀ_e as ``[4, TQ, K]`` (0 without held updates)."""
-    x = 0.0
+    keys_e uᵀ_e as ``[4, TQ, K]`` (None without held updates)."""
+    x = None
     if T > 0:
+        x = tl.zeros((4, col2.shape[1], K), tl.float32)
         for ee in tl.static_range(T):
             k_e = tl.sum(tl.where((e == ee)[:, None], keys, 0.0), axis=0)
             w_e = tl.sum(tl.where(e == ee, wt, 0.0), axis=0)
@@ -128,8 +134,10 @@ def writeback_kernel(
                     col2 = 4 * quads[None, :] + tl.arange(0, 4)[:, None]
                     delta = tl.load(delta_ptr + scratch * V + col2)[:, :, None]
                     at = rec16 + co // 2 + i3 * V + 4 * b3 + a3
-                    held_x = _held_tile(ut, wt, keys_t, e, held, col2, T, K, V)
-                    tl.store(at, (decay_x * tl.load(at).to(tl.float32) + held_x + kk * delta).to(tl.float16))
+                    x = decay_x * tl.load(at).to(tl.float32)
+                    if T > 0:
+                        x += _held_tile(ut, wt, keys_t, e, held, col2, T, K, V)
+                    tl.store(at, (x + kk * delta).to(tl.float16))
             else:
                 # every row factor first: the old ones kept in registers, the new ones stored
                 G: tl.constexpr = V // 32 if BITS == 2 else 1
