@@ -493,32 +493,34 @@ def test_two_streams_and_a_cuda_graph_give_the_synchronous_step():
     check(captured, twin, outs, want)
 
 
-@pytest.mark.parametrize("shape", SMALL[:2] + REAL_SHAPES[1:2] * REAL, ids=_ids)
+@pytest.mark.parametrize("shape, fit", [(s, "stepquant") for s in SMALL[:2] + REAL_SHAPES[1:2] * REAL]
+                         + [(SMALL[1], "rowwise")], ids=lambda x: x if isinstance(x, str) else _ids(x))
 @pytest.mark.parametrize("fast", [False, True], ids=["exact", "fast"])
-def test_held_updates_match_reference(shape, fast):
+def test_held_updates_match_reference(shape, fit, fast):
     """Records holding up to 3 updates (``tail = 3``): requests at every
     count, so that each step some refit and the others append, four steps
-    in a row, each against ``reference.step`` from the same records."""
+    in a row, each against ``reference.step`` from the same records; the
+    STEPQuant fit and the uniform pool's rowwise one."""
     import dataclasses
 
     bits, kd, vd, _, hk = shape
     n = 4  # one request at each count
-    lay0, w, rec0, *_ = _inputs(bits, kd, vd, n, hk, seed=8)
+    lay0, w, rec0, *_ = _inputs(bits, kd, vd, n, hk, seed=8, fit=fit)
     lay = dataclasses.replace(lay0, tail=3)
     h = len(bits)
     x = ref.decode(rec0, lay0)
-    rec = ref.encode(x, lay, w)
+    rec = ref.encode(x, lay, w, fit)
     for s in range(lay.tail):  # request r holds r updates
         rows = torch.tensor([r for r in range(n) if r > s])
         _, _, _, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=40 + s)
         rec[rows] = ref.step(rec[rows], lay, w, *(_expand(t, h)[rows] for t in (q, k)), v[rows], g[rows],
-                             beta[rows])[1]
+                             beta[rows], fit)[1]
     assert ref._tail_views(rec, lay)[0].tolist() == list(range(n))
     for s in range(4):
         _, _, _, q, k, v, g, beta = _inputs(bits, kd, vd, n, hk, seed=50 + s)
-        want = ref.step(rec, lay, w, _expand(q, h), _expand(k, h), v, g, beta)
+        want = ref.step(rec, lay, w, _expand(q, h), _expand(k, h), v, g, beta, fit)
         dev = [t.to(DEV) for t in (rec, q, k, v, g, beta)]
-        got = step(dev[0], lay, w, *dev[1:], fast=fast)
+        got = step(dev[0], lay, w, *dev[1:], fit=fit, fast=fast)
         assert_close_step(lay, want, got)
         assert ref._tail_views(got[1].cpu(), lay)[0].tolist() == [(r + s + 1) % (lay.tail + 1) for r in range(n)]
         rec = want[1]
