@@ -224,8 +224,8 @@ def encode(x: torch.Tensor, layout: StateLayout, impact: torch.Tensor, fit: str 
 
 
 def decode(records: torch.Tensor, layout: StateLayout, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Unpack records ``[N, size]`` into fp32 states ``[N, H, K, V]`` (into
-    ``out`` when given: fp32, row-major heads)."""
+    """Unpack records ``[N, size]`` into fp32 states ``[N, H, K, V]``, held
+    updates included (into ``out`` when given: fp32, row-major heads)."""
     n = records.shape[0]
     k, v = layout.k_dim, layout.v_dim
     if out is None:
@@ -321,7 +321,8 @@ def step(
     scaled; GQA callers expand key heads), ``v [N, H, V]``, ``g`` (log-decay)
     and ``beta`` ``[N, H]``. Per head: ``S = exp(g) X̂``, ``X = S + k δᵀ`` with
     ``δ = β (v - Sᵀk)``, ``out = Xᵀq`` from the unquantized X (the paper's
-    readout), and ``new_records = encode(X)``. Returns (out fp32 [N, H, V],
+    readout), and ``new_records = commit(X)`` (X fitted, or with held updates
+    this one appended until the record is due). Returns (out fp32 [N, H, V],
     new_records).
     """
     x, out, delta = _update(records, layout, q, k, v, g, beta)
