@@ -22,7 +22,8 @@ reports which path its decode batches took, and a mismatch is listed under
    within 0.01 of the staged path's on the same plan. The control: uniform
    INT6 must move them at all, or the check cannot see the states. The plan
    with held updates (``state_refit_every: 4``) must be no further from FP32
-   than the plan refitted every step (within 10%). The plan
+   than the plan refitted every step (within 10%), and under full graphs
+   within 0.001 of its eager run. The plan
    again with full CUDA graphs for decode-only batches (``GRAPHS``, padded
    batches included) must be within 0.001 of its eager run (a tenth of the
    staged path's distance from the Triton step: graphs that held the staged
@@ -118,6 +119,7 @@ JOBS = [
     ("check", "oscar_stepquant_mixed_graphs", {**OSCAR, **MIXED}, "graph"),
     ("check", "oscar_stepquant_mixed_staged", {**OSCAR, **MIXED, **STAGED}, "staged"),
     ("speed", "uniform_int6_staged", {"state": "uniform", "state_bits": 6, **STAGED}, "staged"),
+    ("check", "stepquant_mixed_refit4_graphs", {**MIXED, "state_refit_every": 4}, "graph"),
 ]
 
 
@@ -328,6 +330,9 @@ def summarize(report: dict, results: dict) -> None:
         held, plain = check.get("stepquant_mixed_refit4", {}), check.get("stepquant_mixed", {})
         if "vs_fp32" in held and "vs_fp32" in plain:  # held updates round the state less often: no further from FP32
             verdict["held_updates_no_worse"] = held["vs_fp32"]["dlogprob_mean"] <= 1.1 * plain["vs_fp32"]["dlogprob_mean"]
+        held_graphs = check.get("stepquant_mixed_refit4_graphs", {})
+        if "vs_eager" in held_graphs:
+            verdict["held_graphs_match_eager"] = held_graphs["vs_eager"]["dlogprob_mean"] < GRAPH_BOUND
         graphs = check.get("stepquant_mixed_graphs", {})
         if "vs_eager" in graphs:
             verdict["graphs_match_eager"] = graphs["vs_eager"]["dlogprob_mean"] < GRAPH_BOUND
