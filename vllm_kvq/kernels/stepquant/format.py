@@ -131,9 +131,13 @@ class StateLayout:
         return -(-self.heads_bytes // 16) * 16
 
     @property
+    def tail_scalar_bytes(self) -> int:
+        """A head's d and w, padded to 16 bytes (its u then starts there)."""
+        return -(-(4 + 4 * self.tail) // 16) * 16
+
+    @property
     def tail_head_bytes(self) -> int:
-        t = self.tail
-        return -(-(4 + 4 * t) // 16) * 16 + 2 * t * (self.v_dim + self.k_dim)
+        return self.tail_scalar_bytes + 2 * self.tail * (self.v_dim + self.k_dim)
 
     @property
     def packed_bytes(self) -> int:

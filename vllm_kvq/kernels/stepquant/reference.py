@@ -248,23 +248,21 @@ def _tail_views(records: torch.Tensor, layout: StateLayout):
     raw = records[:, at : layout.packed_bytes].contiguous()
     held = raw[:, :4].view(torch.int32).view(n)
     heads = raw[:, 16:].view(n, h, layout.tail_head_bytes)
-    head = -(-(4 + 4 * t) // 16) * 16
-    sc = heads[..., :head].view(torch.float32)
-    uk = heads[..., head:].view(torch.float16)
+    sc = heads[..., : layout.tail_scalar_bytes].view(torch.float32)
+    uk = heads[..., layout.tail_scalar_bytes :].view(torch.float16)
     u = uk[..., : t * layout.v_dim].unflatten(-1, (t, layout.v_dim))
     return held, sc[..., 0], sc[..., 1 : 1 + t], u, uk[..., t * layout.v_dim :].unflatten(-1, (t, layout.k_dim))
 
 
 def _tail_bytes(held, d, w, u, k, layout: StateLayout) -> torch.Tensor:
     """The bytes ``[N, packed_bytes - tail_offset]`` of :func:`_tail_views`' fields."""
-    n, h, t = held.shape[0], len(layout.bits), layout.tail
-    head = -(-(4 + 4 * t) // 16) * 16
+    n, h = held.shape[0], len(layout.bits)
     out = torch.zeros(n, layout.packed_bytes - layout.tail_offset, dtype=torch.uint8, device=held.device)
     out[:, :4] = held.to(torch.int32).view(n, 1).view(torch.uint8)
     heads = out[:, 16:].view(n, h, layout.tail_head_bytes)
     sc = torch.cat((d.float()[..., None], w.float()), -1).contiguous().view(torch.uint8)
     heads[..., : sc.shape[-1]] = sc
-    heads[..., head:] = torch.cat((u.half().flatten(-2), k.half().flatten(-2)), -1).contiguous().view(torch.uint8)
+    heads[..., layout.tail_scalar_bytes :] = torch.cat((u.half().flatten(-2), k.half().flatten(-2)), -1).contiguous().view(torch.uint8)
     return out
 
 
@@ -341,10 +339,9 @@ def commit(records, layout, impact, x, k, delta, decay, fit: str = "stepquant", 
     new = records.clone()
     if bool(due.any()):  # fitted: nothing held, d = 1, the stale entries left as they were
         fitted = encode(x[due], layout, impact, fit, parts=None if parts is None else parts[due])
-        _, _, w_due, u_due, k_due = _tail_views(records[due], layout)
         fitted[:, layout.tail_offset : layout.packed_bytes] = _tail_bytes(
-            torch.zeros(int(due.sum()), dtype=torch.int32, device=x.device), torch.ones_like(d[due]), w_due, u_due,
-            k_due, layout)
+            torch.zeros(int(due.sum()), dtype=torch.int32, device=x.device), torch.ones_like(d[due]), w[due], u[due],
+            keys[due], layout)
         new[due] = fitted
     keep = ~due
     if bool(keep.any()):

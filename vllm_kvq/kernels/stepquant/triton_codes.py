@@ -155,12 +155,37 @@ def head_record(pool, pool16, idx_ptr, s_idx, n, slot_stride, ALIGN: tl.constexp
 def held_updates(rec, tail_off, h, T: tl.constexpr, TP: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
     """A record's held updates for head ``h`` (format.py, ``tail = T``, TP
     the next power of two): (held count, fp32 pointer to d then w, fp16
-    pointers to u ``[T, V]`` and k ``[T, K]``, the entry index ``[TP]``, which
-    entries are held)."""
-    HEAD: tl.constexpr = (4 + 4 * T + 15) // 16 * 16 + 2 * T * (V + K)
+    pointers to u ``[T, V]`` and k ``[T, K]``, the entry index ``[TP]``)."""
+    SCALARS: tl.constexpr = (4 + 4 * T + 15) // 16 * 16  # d and w, padded
     base = rec + tail_off
     held = tl.load(base.to(tl.pointer_type(tl.int32)))
-    hb = base + 16 + h * HEAD
-    u = (hb + (4 + 4 * T + 15) // 16 * 16).to(tl.pointer_type(tl.float16))
-    e = tl.arange(0, TP)
-    return held, hb.to(tl.pointer_type(tl.float32)), u, u + T * V, e, (e < held) & (e < T)
+    hb = base + 16 + h * (SCALARS + 2 * T * (V + K))
+    u = (hb + SCALARS).to(tl.pointer_type(tl.float16))
+    return held, hb.to(tl.pointer_type(tl.float32)), u, u + T * V, tl.arange(0, TP)
+
+
+@triton.jit
+def held_weights(sc, kt, e, live, decay, T: tl.constexpr, K: tl.constexpr):
+    """(exp(g) w_e ``[TP]``, keys k_e ``[TP, K]`` fp32) of the held entries,
+    zero past them."""
+    wt = tl.where(live, decay * tl.load(sc + 1 + e, mask=e < T, other=0.0), 0.0)
+    keys = tl.load(kt + e[:, None] * K + tl.arange(0, K)[None, :], mask=live[:, None], other=0.0)
+    return wt, keys.to(tl.float32)
+
+
+@triton.jit
+def held_columns(ut, e, live, col2, V: tl.constexpr):
+    """The held entries' u on columns ``col2 [4, TQ]``, ``[TP, 4, TQ]`` fp32 (zero past them)."""
+    return tl.load(ut + e[:, None, None] * V + col2[None, :, :], mask=live[:, None, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def held_part(x, wt, keys, u3, e, T: tl.constexpr, K: tl.constexpr):
+    """``x [4, TQ, K]`` plus Σ_e wt_e keys_e ⊗ u3_e: the held updates' part of
+    a tile of X (entries picked by a masked sum: Triton has no indexing)."""
+    for ee in tl.static_range(T):
+        k_e = tl.sum(tl.where((e == ee)[:, None], keys, 0.0), axis=0)
+        w_e = tl.sum(tl.where(e == ee, wt, 0.0), axis=0)
+        u_e = tl.sum(tl.where((e == ee)[:, None, None], u3, 0.0), axis=0)
+        x += (w_e * tl.reshape(k_e, (1, 1, K))) * u_e[:, :, None]
+    return x

@@ -11,7 +11,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_kvq.kernels.stepquant.triton_codes import head_record, held_updates, rcp, rebuild, signed, unpack
+from vllm_kvq.kernels.stepquant.triton_codes import (head_record, held_columns, held_part, held_updates, held_weights,
+                                                      rcp, rebuild, signed, unpack)
 
 
 @triton.jit
@@ -25,16 +26,6 @@ def _store_parts(ax, at, NP: tl.constexpr, PART: tl.constexpr, K: tl.constexpr, 
     else:
         part = tl.sum(tl.sum(part, axis=0), axis=1)
     tl.store(at + tl.arange(0, NP)[:, None] * K + tl.arange(0, K)[None, :], part)
-
-
-@triton.jit
-def _entry(wt, keys, u3, e, ee: tl.constexpr, K: tl.constexpr):
-    """Held update ``ee`` of a tile, ``[4, TQ, K]``: ``wt[ee] keys[ee, i] u3[ee, a, b]``
-    (rows of the [TP, .] operands picked by a masked sum: Triton has no indexing)."""
-    k_e = tl.sum(tl.where((e == ee)[:, None], keys, 0.0), axis=0)
-    w_e = tl.sum(tl.where(e == ee, wt, 0.0), axis=0)
-    u_e = tl.sum(tl.where((e == ee)[:, None, None], u3, 0.0), axis=0)
-    return (w_e * tl.reshape(k_e, (1, 1, K))) * u_e[:, :, None]
 
 
 @triton.jit
@@ -91,12 +82,11 @@ def foreground_kernel(
         decay_x = decay
         due = True
         if T > 0:
-            held, sc, ut, kt, e, live = held_updates(rec, tail_off, h, T, TP, K, V)
+            held, sc, ut, kt, e = held_updates(rec, tail_off, h, T, TP, K, V)
+            live = (e < held) & (e < T)
             due = held >= T
             decay_x = decay * tl.load(sc)
-            wt = tl.where(live, decay * tl.load(sc + 1 + e, mask=e < T, other=0.0), 0.0)
-            keys_t = tl.load(kt + e[:, None] * K + tl.arange(0, K)[None, :], mask=live[:, None], other=0.0)
-            keys_t = keys_t.to(tl.float32)
+            wt, keys_t = held_weights(sc, kt, e, live, decay, T, K)
             a_k = wt * tl.sum(keys_t * tl.reshape(k3, (1, K)), axis=1)
             a_q = wt * tl.sum(keys_t * tl.reshape(q3, (1, K)), axis=1)
             if (p == 0) & (j == 0):
@@ -135,8 +125,7 @@ def foreground_kernel(
                 c = tl.load(cp + col2).to(tl.float32)
             vv = tl.load(v_ptr + n * svn + h * svh + col2).to(tl.float32)
             if T > 0:  # the held updates' rows u_e of these columns, [TP, 4, TQ]
-                u3 = tl.load(ut + e[:, None, None] * V + col2[None, :, :], mask=live[:, None, None],
-                             other=0.0).to(tl.float32)
+                u3 = held_columns(ut, e, live, col2, V)
             if FAST:
                 # S = dr c z (+ held) with dr = exp(g) d r: Sᵀk = c Σ_i z (dr k), one FMA an element per sum;
                 # Xᵀq = Sᵀq + (k·q) δ
@@ -152,8 +141,7 @@ def foreground_kernel(
             else:  # the reference's operations
                 s = rebuild(z, r, c[:, :, None], decay_x, False)
                 if T > 0:
-                    for ee in tl.static_range(T):
-                        s += _entry(wt, keys_t, u3, e, ee, K)
+                    s = held_part(s, wt, keys_t, u3, e, T, K)
                 delta = beta * (vv - tl.sum(s * k3, axis=2))
                 x = s + k3 * delta[:, :, None]
                 tl.store(out_ptr + scratch * V + col2, tl.sum(x * q3, axis=2))
@@ -166,9 +154,8 @@ def foreground_kernel(
                     c_inv = rcp(c_fl, ASM)
                     y = z + k_fl * (delta * c_inv)[:, :, None]
                     if T > 0:
-                        keys_dr, u_c = keys_t * rcp(tl.reshape(d_fl, (1, K)), ASM), u3 * c_inv[None, :, :]
-                        for ee in tl.static_range(T):
-                            y += _entry(wt, keys_dr, u_c, e, ee, K)
+                        y = held_part(y, wt, keys_t * rcp(tl.reshape(d_fl, (1, K)), ASM), u3 * c_inv[None, :, :],
+                                      e, T, K)
                     ax = tl.abs(y) * c_fl[:, :, None]
                 else:
                     ax = tl.abs(x)

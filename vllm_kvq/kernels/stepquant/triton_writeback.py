@@ -9,8 +9,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_kvq.kernels.stepquant.triton_codes import (div_fast, fp16_round, head_record, held_updates, levels,
-                                                      pack_store, rcp, rebuild, row_factor, signed, unpack)
+from vllm_kvq.kernels.stepquant.triton_codes import (div_fast, fp16_round, head_record, held_columns, held_part,
+                                                      held_updates, held_weights, levels, pack_store, rcp, rebuild,
+                                                      row_factor, signed, unpack)
 
 
 @triton.jit
@@ -61,21 +62,6 @@ def _fit_tile(z, r_old, r, c_old, decay, kk, delta, held, w, BITS: tl.constexpr,
 
 
 @triton.jit
-def _held_tile(ut, wt, keys, e, held, col2, T: tl.constexpr, K: tl.constexpr, V: tl.constexpr):
-    """The held updates' part of X on columns ``col2 [4, TQ]``: Σ_e wt_e
-    keys_e uᵀ_e as ``[4, TQ, K]`` (None without held updates)."""
-    x = None
-    if T > 0:
-        x = tl.zeros((4, col2.shape[1], K), tl.float32)
-        for ee in tl.static_range(T):
-            k_e = tl.sum(tl.where((e == ee)[:, None], keys, 0.0), axis=0)
-            w_e = tl.sum(tl.where(e == ee, wt, 0.0), axis=0)
-            u_e = tl.load(ut + ee * V + col2, mask=ee < held, other=0.0).to(tl.float32)
-            x += (w_e * tl.reshape(k_e, (1, 1, K))) * u_e[:, :, None]
-    return x
-
-
-@triton.jit
 def writeback_kernel(
     pool, pool16, slots_ptr, slot_stride, min_slot,
     heads_ptr, codes_ptr, rows_ptr, cols_ptr, w_ptr,
@@ -104,15 +90,14 @@ def writeback_kernel(
         co = tl.multiple_of(tl.load(codes_ptr + j), ALIGN)
         due = True
         decay_x = decay  # the codes' decay: exp(g) d with held updates
-        held, ut, wt, keys_t, e = 0, rec16, 0.0, 0.0, 0  # (no held updates)
+        ut, wt, keys_t, e, live = rec16, 0.0, 0.0, 0, False  # (no held updates)
         if T > 0:
-            _, sc, ut, kt, e, _ = held_updates(rec, tail_off, h, T, TP, K, V)
+            _, sc, ut, kt, e = held_updates(rec, tail_off, h, T, TP, K, V)
             held = tl.load(held_ptr + n)
             live = (e < held) & (e < T)
             d_old = tl.load(sc)
             decay_x = decay * d_old
-            wt = tl.where(live, decay * tl.load(sc + 1 + e, mask=e < T, other=0.0), 0.0)
-            keys_t = tl.load(kt + e[:, None] * K + rows[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            wt, keys_t = held_weights(sc, kt, e, live, decay, T, K)
             due = held >= T
             if held < T:  # append: d and w decay, entry `held` is (k, δ) with w = 1
                 tl.store(sc, d_old * decay)
@@ -136,7 +121,7 @@ def writeback_kernel(
                     at = rec16 + co // 2 + i3 * V + 4 * b3 + a3
                     x = decay_x * tl.load(at).to(tl.float32)
                     if T > 0:
-                        x += _held_tile(ut, wt, keys_t, e, held, col2, T, K, V)
+                        x = held_part(x, wt, keys_t, held_columns(ut, e, live, col2, V), e, T, K)
                     tl.store(at, (x + kk * delta).to(tl.float16))
             else:
                 # every row factor first: the old ones kept in registers, the new ones stored
@@ -174,7 +159,10 @@ def writeback_kernel(
                     z = signed(unpack(rec + co, a3, i3, b3, BITS, V), BITS)
                     c_old = tl.load(cp + col2).to(tl.float32)[:, :, None]
                     delta = tl.load(delta_ptr + scratch * V + col2)[:, :, None]
-                    held_x = _held_tile(ut, wt, keys_t, e, held, col2, T, K, V)
+                    held_x = None
+                    if T > 0:
+                        held_x = held_part(tl.zeros((4, TQ, K), tl.float32), wt, keys_t,
+                                           held_columns(ut, e, live, col2, V), e, T, K)
                     u, c = _fit_tile(z, r_old, r, c_old, decay_x, kk, delta, held_x, w, BITS, FAST, ROWWISE, ASM)
                     pack_store(u, rec + co, i3, b3, V, BITS)
                     tl.store(cp + col2, c.to(tl.float16))
