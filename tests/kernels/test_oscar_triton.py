@@ -8,10 +8,7 @@ run compiled, and ``OSCAR_REAL_SHAPES=1`` adds the serving shapes (D = 128,
 block 128, sink 64, window 256).
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,8 +16,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
+from tests.kernels import compiled_without_gpu  # noqa: E402
 from vllm_kvq.kernels.oscar import reference as ref  # noqa: E402
 from vllm_kvq.kernels.oscar.format import LayerTiers, OscarFormat  # noqa: E402
 from vllm_kvq.kernels.oscar.triton_decode import decode_attention  # noqa: E402
@@ -587,8 +585,6 @@ print(json.dumps(spills))
 """
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                                    "ptxas")), reason="Triton's bundled ptxas is missing")
 def test_decode_default_launch_does_not_spill():
     """The decode kernel at its default launch, compiled for sm_90a (no GPU
     needed), spills no register at the widest group (16 query heads a KV
@@ -596,10 +592,5 @@ def test_decode_default_launch_does_not_spill():
     and OSCAR INT2: a spill inside the loop costs several times the kernel's
     time. Compiled in a process of its own: this module runs Triton's
     interpreter."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, "-c", SPILL_CHECK], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    spills = json.loads(run.stdout.strip().splitlines()[-1])
+    spills = compiled_without_gpu(SPILL_CHECK)
     assert len(spills) == 5 and not any(spills.values()), spills

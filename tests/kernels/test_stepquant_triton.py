@@ -32,8 +32,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
+from tests.kernels import compiled_without_gpu  # noqa: E402
 from vllm_kvq.kernels.stepquant import reference as ref  # noqa: E402
 from vllm_kvq.kernels.stepquant.format import PIVOT, StateLayout  # noqa: E402
 from benchmarks.stepquant_fp32 import fp32_step_  # noqa: E402
@@ -537,21 +538,10 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
-                                                    "ptxas")), reason="Triton's bundled ptxas is missing")
 def test_step_kernels_compile_for_the_gpu_with_and_without_held_updates():
     """Foreground and writeback at K = V = 128 for INT2, 6-bit and pivot heads,
     without held updates and with 3, compiled for sm_90a (no GPU needed; the
     interpreter runs Python, not what the compiler takes): no error, no spill.
     In a process of its own: this module runs Triton's interpreter."""
-    import json
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    run = subprocess.run([sys.executable, "-c", HELD_COMPILE], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-2000:]
-    spills = json.loads(run.stdout.strip().splitlines()[-1])
+    spills = compiled_without_gpu(HELD_COMPILE)
     assert len(spills) == 12 and not any(spills.values()), spills
