@@ -87,6 +87,7 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int = 3, ma
                           "local_memory_ops": ops["STL"] + ops["LDL"]})  # spill traffic inside the loop
     ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0].split(".")[0] for _, t in ins)
     return {"registers": int(regs.group(1)) if regs else None, "spill_bytes": int(spill.group(1)) if spill else 0,
+            "barriers": k.asm["ttir"].count("gpu.barrier"),  # the kernel's own tl.debug_barrier()s
             "sass": len(ins), "top": dict(ops.most_common(10)), "loops": loops}
 
 

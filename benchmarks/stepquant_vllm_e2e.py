@@ -68,7 +68,7 @@ def run(pool: str, args: argparse.Namespace) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from evalkit.probe import allocated_state_bytes
+    from evalkit.probe import allocated_state_bytes, count_fused_decodes
 
     cuda = torch.cuda.is_available()
     model, plan, kw = setup(cuda)
@@ -85,6 +85,7 @@ def run(pool: str, args: argparse.Namespace) -> dict:
               kv_cache_memory_bytes=int(args.kv_gib * (1 << 30)), enable_prefix_caching=False,
               async_scheduling=False, seed=0, **kw)
     layers = llm.apply_model(allocated_state_bytes)[0]
+    llm.apply_model(count_fused_decodes)  # triton_decode below: the packed pools' decode batches took the Triton step
     vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
     gen = torch.Generator().manual_seed(0)
     prompts = [TokensPrompt(prompt_token_ids=torch.randint(10, vocab - 10, (args.prompt_len,), generator=gen).tolist())

@@ -134,7 +134,10 @@ def kda_writeback_kernel(
         r_old = tl.load(at_r).to(tl.float32)
         mag = tl.maximum(tl.load(part_ptr + scratch * K + i3) * (1.0 / V), 1e-20)
         r = tl.where(piv, 0.0, fp16_round(tl.sqrt(mag / w)))
-        tl.store(at_r, r.to(tl.float16))  # the old ones are in registers; only this program reads them
+        # the old ones are in registers; the barrier: every warp has read them (a row's factor is loaded by
+        # threads of several warps, stored by one; triton_writeback.py's note)
+        tl.debug_barrier()
+        tl.store(at_r, r.to(tl.float16))
         dr = decay * tl.where(piv, 1.0, r_old * unit)
         # y = X / r, codes y / (c 2^(8-b)): through the rows' reciprocals (2^(b-8) exact) and the columns'
         r_inv = tl.where(piv, 0.0, 1.0 / tl.where(piv, 1.0, r))
@@ -149,6 +152,7 @@ def kda_writeback_kernel(
             q, pv = _quad_codes(rec, rec16, bits, off, piv, qm, a3, b3)
             c_old = tl.load(cp + col2).to(tl.float32)[:, :, None]
             x = dr * tl.where(piv, pv, c_old * q) + kk * tl.load(delta_ptr + scratch * V + col2)[:, :, None]
+            tl.debug_barrier()  # the tile's codes and column scales read by every warp before any is rewritten
             tl.store(rec16 + off // 2 + 4 * b3 + a3, x.to(tl.float16), mask=piv)
             y = x * r_inv  # 0 on pivot rows
             c0 = fp16_round(tl.max(tl.abs(y) * span_inv, axis=2))

@@ -2,6 +2,13 @@
 (twin of :func:`reference.writeback`; docs/stepquant.md, "Decode on CUDA").
 One program per (value head, request) owns that head's record, so every byte
 it reads from the record is its own to write; no dense state is written.
+
+The rewrite is in place, and a value that is smaller than the program (a row
+or column scale, the held decays) is loaded by threads of several warps and
+stored by one of them: warps run at their own pace, so without a barrier
+between the last read of old values and the first store, a late warp can read
+a new scale as an old one (compiled only; Triton's interpreter runs a program
+as one thread). Each ``tl.debug_barrier()`` below is that barrier.
 """
 
 from __future__ import annotations
@@ -99,6 +106,7 @@ def writeback_kernel(
             decay_x = decay * d_old
             wt, keys_t = held_weights(sc, kt, e, live, decay, T, K)
             due = held >= T
+            tl.debug_barrier()  # every warp has read d and w before they are rewritten (see the module's note)
             if held < T:  # append: d and w decay, entry `held` is (k, δ) with w = 1
                 tl.store(sc, d_old * decay)
                 tl.store(sc + 1 + e, tl.where(e == held, 1.0, wt), mask=e < T)
@@ -143,6 +151,7 @@ def writeback_kernel(
                     r_new_all = fp16_round(tl.math.div_rn(mag, QMR * 1.0))
                 else:
                     r_new_all = row_factor(tl.maximum(mag, 1e-20), w[None, :], FAST)
+                tl.debug_barrier()
                 tl.store(at_r, r_new_all.to(tl.float16))
                 cp = rec16 + tl.multiple_of(tl.load(cols_ptr + j), ALIGN) // 2
                 for t in range(V // TILE):
@@ -164,5 +173,6 @@ def writeback_kernel(
                         held_x = held_part(tl.zeros((4, TQ, K), tl.float32), wt, keys_t,
                                            held_columns(ut, e, live, col2, V), e, T, K)
                     u, c = _fit_tile(z, r_old, r, c_old, decay_x, kk, delta, held_x, w, BITS, FAST, ROWWISE, ASM)
+                    tl.debug_barrier()
                     pack_store(u, rec + co, i3, b3, V, BITS)
                     tl.store(cp + col2, c.to(tl.float16))
