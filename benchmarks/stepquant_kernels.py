@@ -56,7 +56,8 @@ SHAPES = {
                                   "@4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,),
                                   "@6 rowwise": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,),
                                   "@6 refit every 4": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,),
-                                  "@4 refit every 4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,)}),
+                                  "@4 refit every 4": (4,) * 38 + (2,) * 6 + (6,) * 2 + (8,) + (16,),
+                                  "@6 refit every 8": (6,) * 40 + (4,) * 4 + (8,) * 3 + (16,)}),
 }
 FG_LAUNCHES = [  # most wanted first; later ones are skipped past the time budget
     {"fg_tile": 32, "fg_tiles": 4, "fg_warps": 4},

@@ -43,7 +43,8 @@ from scripts.cuda_state_check import LARGE, model_dir, synthetic_plan
 
 POOLS = {"fp32": None, "int6": {"state": "uniform", "state_bits": 6},
          "stepquant6": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"},
-         "stepquant6-refit4": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", "state_refit_every": 4}}
+         "stepquant6-refit4": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", "state_refit_every": 4},
+         "stepquant6-refit8": {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN", "state_refit_every": 8}}
 HOUSE_PLAN = REPO / "examples" / "artifacts" / "house-qwen3next-stepquant"
 
 

@@ -18,22 +18,27 @@ def allocated_state_bytes(model) -> list[dict]:
             out.append({"layer": module.layer_idx, "shape": list(ssm.shape[1:]), "dtype": str(ssm.dtype),
                         "page_bytes": conv.stride(0) * conv.element_size(),
                         "bits": list(pool.layout.bits) if pool else None,
-                        "triton_calls": module.__dict__.get("_kvq_fused_calls", 0)})
+                        "triton_calls": module.__dict__.get("_kvq_fused_calls", 0),
+                        "mixed_calls": module.__dict__.get("_kvq_mixed_calls", 0)})
     return out
 
 
 def count_fused_decodes(model) -> None:
     """Count, per GDN layer, the decode batches its packed Triton step runs
-    from Python (once per worker; :func:`allocated_state_bytes` reports them)."""
+    from Python, and the mixed batches whose decode rows it takes (once per
+    worker; :func:`allocated_state_bytes` reports them)."""
     from vllm_kvq.hooks import gdn
 
     if getattr(gdn.fused_decode, "_counted", False):
         return
-    run = gdn.fused_decode
+    for name, key in (("fused_decode", "_kvq_fused_calls"), ("_diverted_decodes", "_kvq_mixed_calls")):
+        setattr(gdn, name, _counting(getattr(gdn, name), key))
 
+
+def _counting(run, key):
     def counted(layer, *args, **kwargs):
-        layer.__dict__["_kvq_fused_calls"] = layer.__dict__.get("_kvq_fused_calls", 0) + 1
+        layer.__dict__[key] = layer.__dict__.get(key, 0) + 1
         return run(layer, *args, **kwargs)
 
     counted._counted = True
-    gdn.fused_decode = counted
+    return counted

@@ -19,7 +19,10 @@ reports which path its decode batches took, and a mismatch is listed under
    staged. Random weights make nearly every step a near tie, so the check is
    on log-probabilities up to each prompt's first differing token: the FP16
    pool's must be within 0.01 of FP32's on average, and the Triton step's
-   within 0.01 of the staged path's on the same plan. The control: uniform
+   within 0.01 of the staged path's on the same plan. Prompts are chunked
+   at 512 tokens a step, so decodes share steps with prefills: every Triton
+   engine must also have sent such a step's decode rows through the split
+   step (``mixed_calls_per_layer``). The control: uniform
    INT6 must move them at all, or the check cannot see the states. The plan
    with held updates (``state_refit_every: 4``) must be no further from FP32
    than the plan refitted every step (within 10%), and under full graphs
@@ -97,8 +100,9 @@ MIXED = {"state": "stepquant", "state_bits": 6, "state_artifact": "PLAN"}
 GRAPHS = {"mode": 0, "cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8, 24]}
 
 GRAPH_BOUND = 0.001  # mean |dlogprob| of a graph engine from its eager twin
+# 512 tokens a step: prompts are chunked, so decodes share steps with prefills (the split step's mixed batches)
 CHECK = dict(model="small", mem=0.2, max_len=2048, batch=16, requests=16, prompt_len=400, gen=32, logprobs=True,
-             timeout=240)
+             timeout=240, batched_tokens=512)
 SPEED = dict(model="large", mem=0.5, max_len=1024, batch=512, requests=512, prompt_len=256, gen=64, logprobs=False,
              timeout=240)
 # (step, name, kvq settings or None for FP32 states, expected decode path); most important first. Names
@@ -207,6 +211,8 @@ def engine(job: dict) -> dict:
                   max_num_seqs=max(job["batch"], *GRAPHS["cudagraph_capture_sizes"]))
     else:
         kw.update(enforce_eager=True, max_num_seqs=job["batch"])
+    if job.get("batched_tokens"):
+        kw["max_num_batched_tokens"] = job["batched_tokens"]
     fmt = "auto" if (Path(job["model"]) / "model.safetensors").exists() else "dummy"
     backend = "OSCAR" if "rotation" in (job["kvq"] or {}) else "TRITON_ATTN"
     llm = LLM(model=job["model"], load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16",
@@ -246,6 +252,7 @@ def engine(job: dict) -> dict:
         # which step its graphs hold shows in its distance from its eager twin (graphs_match_eager)
         res["decode_path"] = "graph" if job.get("graphs") and path == "staged" else path
         res["triton_calls_per_layer"] = max(x["triton_calls"] for x in packed)
+        res["mixed_calls_per_layer"] = max(x["mixed_calls"] for x in packed)  # mixed batches' decode rows
     res["state_page_bytes"] = sum(x["page_bytes"] for x in layers)
     return res
 
@@ -297,12 +304,15 @@ def summarize(report: dict, results: dict) -> None:
                 problems.append(f"{step} {name}: start-up did not refuse vLLM's default graph mode: {r}")
         elif r.get("decode_path") != want:
             problems.append(f"{step} {name}: decode path {r.get('decode_path')!r}, expected {want!r}")
+        elif step == "check" and want == "triton" and not r.get("mixed_calls_per_layer"):
+            problems.append(f"{step} {name}: no mixed batch's decode rows took the split step")
     if check is not None:
         ref = results.get(("check", "fp32_state"), {})
         for (step, name), r in results.items():
             if step != "check":
                 continue
-            keys = ("decode_path", "triton_calls_per_layer", "triton_calls_in_job", "state_page_bytes", "engine_s",
+            keys = ("decode_path", "triton_calls_per_layer", "mixed_calls_per_layer", "triton_calls_in_job",
+                    "state_page_bytes", "engine_s",
                     "from_earlier_call", "refused", "error")
             entry = check[name] = {k: r[k] for k in keys if k in r}
             if "logprobs" in r:  # for reading the comparisons by eye

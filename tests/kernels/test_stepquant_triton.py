@@ -25,6 +25,7 @@ only where it sits within them of an fp16 rounding boundary. The checks:
 """
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -240,13 +241,17 @@ def _vllm_decode_inputs(mixed_qkv, a, b, a_log, dt_bias, hk, kd, hv, vd):
     return _expand(q, hv), _expand(k, hv), v, g, beta
 
 
+@pytest.mark.parametrize("route", ["decode batch", "mixed batch"])
 @pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
-def test_cuda_decode_path_matches_staged_step(fit):
+def test_cuda_decode_path_matches_staged_step(fit, route):
     """``state_pool.packed_decode`` (what vLLM's CUDA decode batches run on the
     pool: vLLM's bf16 mixed q/k/v after the conv, raw gates, the layer's bf16
-    output) against the staged path: decode the records, vLLM's decode math in
-    fp32, the reference codec's fit."""
+    output), or for a mixed batch vLLM's call of its decode update for the
+    rows it peels off, diverted by the GDN seam (q, k, v split as vLLM's
+    ``rearrange_mixed_qkv`` does), against the staged path: decode the
+    records, vLLM's decode math in fp32, the reference codec's fit."""
     from vllm_kvq.backends.state_pool import LayerPool, decode_plan, packed_decode
+    from vllm_kvq.hooks import gdn
 
     bits = (16, 6, 4, 2) if fit == "stepquant" else (8, 6, 4, 16)
     hk, hv, kd, vd = 2, 4, 32, 32
@@ -268,8 +273,22 @@ def test_cuda_decode_path_matches_staged_step(fit):
     core_attn_out = torch.zeros(n + 2, hv, vd, dtype=torch.bfloat16, device=DEV)  # the layer's, padded
     idx = torch.tensor(slots, dtype=torch.int32, device=DEV)
     decoder = decode_plan(LayerPool(lay, w, fit, torch.float32), DEV, hk, rows=2)  # the batch grows the scratch
-    packed_decode(pages_dev[:, 96 : 96 + lay.size], idx, decoder, *[t.to(DEV) for t in (mixed, a, b, a_log, dt_bias)],
-                  hk, core_attn_out[:n])
+    records_dev = pages_dev[:, 96 : 96 + lay.size]
+    mixed_d, a_d, b_d, a_log_d, dt_bias_d = [t.to(DEV) for t in (mixed, a, b, a_log, dt_bias)]
+    if route == "decode batch":
+        packed_decode(records_dev, idx, decoder, mixed_d, a_d, b_d, a_log_d, dt_bias_d, hk, core_attn_out[:n])
+    else:
+        def vllms_update(**_):
+            raise AssertionError("vLLM's own update ran on the packed records")
+
+        q, k, v = (mixed_d[:, lo:hi].reshape(1, n, -1, d).contiguous()
+                   for lo, hi, d in ((0, hk * kd, kd), (hk * kd, 2 * hk * kd, kd), (2 * hk * kd, None, vd)))
+        gdn._DIVERTED = gdn._diverted_decodes(SimpleNamespace(kv_cache=(None, records_dev)), decoder, idx)
+        o, final = gdn._divertable(vllms_update)(
+            A_log=a_log_d, a=a_d, b=b_d, dt_bias=dt_bias_d, q=q, k=k, v=v, initial_state=None,
+            inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None, use_qk_l2norm_in_kernel=True)
+        assert gdn._DIVERTED is None and final is None and o.shape == (1, n, hv, vd)  # one call a forward
+        core_attn_out[:n] = o[0]
     if DEV == "cuda":  # the writeback ran on its own stream: what a forward's end does
         from vllm_kvq.backends.state_pool import join_writebacks
 

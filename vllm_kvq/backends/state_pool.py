@@ -130,16 +130,23 @@ def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log
     stream (on CPU, right after). ``fast``: the fit with reciprocals, within
     the same bound against the reference and ~20% faster (docs/kernels.md).
     """
-    from vllm_kvq.kernels.stepquant.triton_step import foreground_, writeback_  # Triton: only where it runs
-
     lay = decoder.plan.layout
-    n, kd, vd, hv = mixed_qkv.shape[0], lay.k_dim, lay.v_dim, len(lay.bits)
+    kd, vd, hv = lay.k_dim, lay.v_dim, len(lay.bits)
     qk_dim = num_k_heads * kd
     if mixed_qkv.dim() != 2 or mixed_qkv.shape[1] != 2 * qk_dim + hv * vd or mixed_qkv.stride(1) != 1:
         raise ValueError(f"mixed_qkv must be [N, {2 * qk_dim + hv * vd}] ({num_k_heads} key heads of {kd}, {hv} "
                          f"value heads of {vd}) with unit column stride, got {tuple(mixed_qkv.shape)}")
     q, k, v = (mixed_qkv[:, lo:hi].unflatten(1, (-1, d))
                for lo, hi, d in ((0, qk_dim, kd), (qk_dim, 2 * qk_dim, kd), (2 * qk_dim, None, vd)))
+    packed_step(records, slots, decoder, q, k, v, a, b, A_log, dt_bias, out, fast)
+
+
+def packed_step(records, slots, decoder: PackedDecoder, q, k, v, a, b, A_log, dt_bias, out, fast: bool = True) -> None:
+    """:func:`packed_decode` on q, k ``[N, H_k, K]`` and v ``[N, H, V]``
+    already split (any strides, a contiguous last dimension)."""
+    from vllm_kvq.kernels.stepquant.triton_step import foreground_, writeback_  # Triton: only where it runs
+
+    n = v.shape[0]
     scratch = decoder.scratch_for(n)
     args = (records, slots, decoder.plan, scratch, q, k, v, a, b)
     kw = dict(out=out, fast=fast, raw_gates=(A_log, dt_bias))
