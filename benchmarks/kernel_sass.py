@@ -43,7 +43,8 @@ SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);")
 # argument types by name (everything else is an i32 scalar)
 POINTERS = {
     "pool": "*u8", "pool16": "*fp16", "idx_ptr": "*i32", "heads_ptr": "*i32", "codes_ptr": "*i32",
-    "rows_ptr": "*i32", "cols_ptr": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
+    "rows_ptr": "*i32", "cols_ptr": "*i32", "tab_bits": "*i32", "tab_off": "*i32", "tab_rows": "*i32",
+    "tab_cols": "*i32", "w_ptr": "*fp32", "q_ptr": "*bf16", "k_ptr": "*bf16",
     "v_ptr": "*bf16", "g_ptr": "*fp32", "beta_ptr": "*fp32", "alog_ptr": "*fp32", "dtb_ptr": "*fp32", "out_ptr": "*fp32", "delta_ptr": "*fp32",
     "part_ptr": "*fp32", "keys_ptr": "*fp32", "decay_ptr": "*fp32", "held_ptr": "*i32", "slots_ptr": "*i32", "bt_ptr": "*i32", "seq_ptr": "*i32", "cache_u8": "*u8", "cache_f16": "*fp16", "cache_i32": "*i32",
     "cache_bf16": "*bf16", "o_ptr": "*fp32", "lse_ptr": "*fp32", "rot_ptr": "*bf16", "k_out_ptr": "*bf16",

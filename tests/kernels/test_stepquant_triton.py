@@ -549,11 +549,14 @@ def test_held_updates_match_reference(shape, fit, fast):
 HELD_COMPILE = """
 import json
 from benchmarks.kernel_sass import compile_kernel, stepquant_jobs
+from vllm_kvq.kernels.stepquant.triton_kda import kda_writeback_kernel
 out = {}
 for held in (0, 3):
     for label, fn, const, warps, _ in stepquant_jobs([2, 6, 16], held):
         k = compile_kernel(fn, const, warps)
         out[label] = [k["spill_bytes"], k["barriers"]]
+k = compile_kernel(kda_writeback_kernel, dict(K=128, V=128, TILE=16, ALIGN=4), 8)
+out["kda writeback"] = [k["spill_bytes"], k["barriers"]]
 print(json.dumps(out))
 """
 
@@ -566,10 +569,12 @@ def test_step_kernels_compile_for_the_gpu_with_and_without_held_updates():
     new ones (a race between warps that only compiled kernels have, so the
     interpreter's tests cannot see it): one before the row factors (not in
     pivots, which have none) and one a column tile, one more with held
-    updates. In a process of its own: this module runs Triton's interpreter."""
+    updates. The KDA writeback (its launch: 16-column tiles, 8 warps) keeps
+    its two, before the row factors and a column tile. In a process of its
+    own: this module runs Triton's interpreter."""
     got = compiled_without_gpu(HELD_COMPILE)
-    assert len(got) == 12 and not any(spill for spill, _ in got.values()), got
+    assert len(got) == 13 and not any(spill for spill, _ in got.values()), got
     for label, (_, barriers) in got.items():
         if "writeback" in label:
-            want = (0 if "16-bit" in label else 2) + ("held" in label)
+            want = 2 if label == "kda writeback" else (0 if "16-bit" in label else 2) + ("held" in label)
             assert barriers == want, (label, barriers)
