@@ -101,9 +101,11 @@ def run(pool: str, args: argparse.Namespace) -> dict:
            **run_job(llm, prompts, params)}
     res["cudagraph_mode"] = str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
     if any(x["bits"] is not None for x in layers):
-        calls = [x["triton_calls"] for x in llm.apply_model(allocated_state_bytes)[0] if x["bits"] is not None]
+        packed = [x for x in llm.apply_model(allocated_state_bytes)[0] if x["bits"] is not None]
+        calls = [x["triton_calls"] for x in packed]
         res["triton_decode"] = min(calls) > 0
         res["triton_calls_per_layer"] = max(calls)  # with graphs: warm-ups and captures, not replays
+        res["mixed_calls_per_layer"] = max(x["mixed_calls"] for x in packed)  # steps that also prefilled
     return res
 
 

@@ -36,7 +36,8 @@
 #          FP32 states (~8 min; not by default);
 #   state-e2e-batch  the same-batch figure: 512 requests and a cache budget (9 GiB) that holds all of them
 #          in every pool, so each pool decodes at batch 512 (the job's steady-state decode steps, timed one by
-#          one), @6 refitted every step and every 4 steps against FP32 states; key cuda-batch512 (~8 min; not by default);
+#          one, under full CUDA graphs for decodes), @6 refitted every step, every 4 and every 8 steps against
+#          FP32 states; key cuda-graphs-batch512 (~9 min; not by default);
 #   state-e2e-graphs  the state-e2e job with full CUDA graphs for decodes in every engine (~8 min; not by default);
 #   state-oscar  OSCAR's Triton kernels on the hybrid's attention layers with the pool, against its reference
 #          ops and under graphs, scripts/cuda_state_check.py (~5 min; not by default);
@@ -155,7 +156,7 @@ if [[ $steps == *" state-e2e-refit "* ]]; then
 fi
 if [[ $steps == *" state-e2e-batch "* ]]; then
   timeout 580 python3 -m benchmarks.stepquant_vllm_e2e --requests 512 --prompt-len 256 --gen 128 --kv-gib 9 \
-    --timeout-s 170 --pools fp32 stepquant6 stepquant6-refit4 --label cuda-batch512 \
+    --timeout-s 130 --pools fp32 stepquant6 stepquant6-refit4 stepquant6-refit8 --cuda-graphs --label cuda-graphs-batch512 \
     --json "$OUT/stepquant_vllm_e2e_batch.json" 2>&1 | grep -v "INFO\|WARNING" | tail -12; echo "state e2e batch rc=$?"
 fi
 if [[ $steps == *" state-graphs "* ]]; then
