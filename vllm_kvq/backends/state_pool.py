@@ -114,8 +114,8 @@ def _decode_rows() -> int:
     return max(cfg.scheduler_config.max_num_seqs, cfg.compilation_config.max_cudagraph_capture_size or 0)
 
 
-def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log, dt_bias, num_k_heads: int, out,
-                  fast: bool = True) -> None:
+def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log, dt_bias, num_k_heads: int,
+                  out) -> None:
     """One decode token per request on packed records, in place.
 
     ``records [slots, size]`` uint8, any slot stride (vLLM's state view);
@@ -127,8 +127,8 @@ def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log
     softplus(a + dt_bias)``, ``beta = sigmoid(b)``, in fp32) and writes the
     readout of the unquantized new state into ``out`` on the current stream;
     the writeback packs the state back with the plan's fit on the writeback
-    stream (on CPU, right after). ``fast``: the fit with reciprocals, within
-    the same bound against the reference and ~20% faster (docs/kernels.md).
+    stream (on CPU, right after), with the fast fit (reciprocals: within the
+    reference's bound and ~20% faster; docs/kernels.md).
     """
     lay = decoder.plan.layout
     kd, vd, hv = lay.k_dim, lay.v_dim, len(lay.bits)
@@ -138,10 +138,10 @@ def packed_decode(records, slots, decoder: PackedDecoder, mixed_qkv, a, b, A_log
                          f"value heads of {vd}) with unit column stride, got {tuple(mixed_qkv.shape)}")
     q, k, v = (mixed_qkv[:, lo:hi].unflatten(1, (-1, d))
                for lo, hi, d in ((0, qk_dim, kd), (qk_dim, 2 * qk_dim, kd), (2 * qk_dim, None, vd)))
-    packed_step(records, slots, decoder, q, k, v, a, b, A_log, dt_bias, out, fast)
+    packed_step(records, slots, decoder, q, k, v, a, b, A_log, dt_bias, out)
 
 
-def packed_step(records, slots, decoder: PackedDecoder, q, k, v, a, b, A_log, dt_bias, out, fast: bool = True) -> None:
+def packed_step(records, slots, decoder: PackedDecoder, q, k, v, a, b, A_log, dt_bias, out) -> None:
     """:func:`packed_decode` on q, k ``[N, H_k, K]`` and v ``[N, H, V]``
     already split (any strides, a contiguous last dimension)."""
     from vllm_kvq.kernels.stepquant.triton_step import foreground_, writeback_  # Triton: only where it runs
@@ -149,10 +149,10 @@ def packed_step(records, slots, decoder: PackedDecoder, q, k, v, a, b, A_log, dt
     n = v.shape[0]
     scratch = decoder.scratch_for(n)
     args = (records, slots, decoder.plan, scratch, q, k, v, a, b)
-    kw = dict(out=out, fast=fast, raw_gates=(A_log, dt_bias))
+    kw = dict(out=out, raw_gates=(A_log, dt_bias))
     if not decoder.cuda:
         foreground_(*args, **kw)
-        writeback_(records, decoder.plan, scratch, n, fast=fast)
+        writeback_(records, decoder.plan, scratch, n)
         return
     main = torch.cuda.current_stream()
     if torch.cuda.is_current_stream_capturing():  # an event recorded in a capture is waited on only inside it
@@ -164,7 +164,7 @@ def packed_step(records, slots, decoder: PackedDecoder, q, k, v, a, b, A_log, dt
     started.record(main)
     decoder.stream.wait_event(started)
     with torch.cuda.stream(decoder.stream):
-        writeback_(records, decoder.plan, scratch, n, fast=fast)
+        writeback_(records, decoder.plan, scratch, n)
     done.record(decoder.stream)
     _UNJOINED[records.device.index] = done
 
