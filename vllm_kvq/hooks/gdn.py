@@ -184,9 +184,8 @@ def _stage(layer, md, pool, decodes_in_place: bool = False):
     local = torch.arange(1, n + 1, dtype=md.non_spec_state_indices_tensor.dtype, device=slots.device)
     changes = {"non_spec_state_indices_tensor": local}
     if getattr(md, "prefill_state_indices", None) is not None:
-        first = 1 if decodes_in_place else md.num_decodes + 1
-        changes["prefill_state_indices"] = local[first - 1 : first - 1 + md.num_prefills].to(
-            md.prefill_state_indices.dtype)
+        start = 0 if decodes_in_place else md.num_decodes
+        changes["prefill_state_indices"] = local[start : start + md.num_prefills].to(md.prefill_state_indices.dtype)
     # The CPU kernels view the state bytes as [HV, K, V] (key rows): the
     # scratch is laid out that way and declared as vLLM's [HV, V, K]. The CUDA
     # kernels read [HV, V, K] as it is: the scratch is transposed for them.
