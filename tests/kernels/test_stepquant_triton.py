@@ -243,7 +243,7 @@ def _vllm_decode_inputs(mixed_qkv, a, b, a_log, dt_bias, hk, kd, hv, vd):
 
 @pytest.mark.parametrize("route", ["decode batch", "mixed batch"])
 @pytest.mark.parametrize("fit", ["stepquant", "rowwise"])
-def test_cuda_decode_path_matches_staged_step(fit, route):
+def test_cuda_decode_path_matches_staged_step(fit, route, monkeypatch):
     """``state_pool.packed_decode`` (what vLLM's CUDA decode batches run on the
     pool: vLLM's bf16 mixed q/k/v after the conv, raw gates, the layer's bf16
     output), or for a mixed batch vLLM's call of its decode update for the
@@ -283,7 +283,8 @@ def test_cuda_decode_path_matches_staged_step(fit, route):
 
         q, k, v = (mixed_d[:, lo:hi].reshape(1, n, -1, d).contiguous()
                    for lo, hi, d in ((0, hk * kd, kd), (hk * kd, 2 * hk * kd, kd), (2 * hk * kd, None, vd)))
-        gdn._DIVERTED = gdn._diverted_decodes(SimpleNamespace(kv_cache=(None, records_dev)), decoder, idx)
+        monkeypatch.setattr(gdn, "_DIVERTED",  # as the seam sets it for a mixed batch's forward (restored after)
+                            gdn._diverted_decodes(SimpleNamespace(kv_cache=(None, records_dev)), decoder, idx))
         o, final = gdn._divertable(vllms_update)(
             A_log=a_log_d, a=a_d, b=b_d, dt_bias=dt_bias_d, q=q, k=k, v=v, initial_state=None,
             inplace_final_state=True, cu_seqlens=None, ssm_state_indices=None, use_qk_l2norm_in_kernel=True)
