@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from evalkit.markdown import splice, table
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "kda_kernels.json"
 DOC = REPO / "docs" / "stepquant.md"
@@ -180,29 +182,23 @@ def main() -> None:
 
 def render(res: dict) -> str:
     f32 = f"{res['fp32_ms']:.3f} ms" if "fp32_ms" in res else f"not run ({res.get('fp32_error', '')})"
-    lines = [
-        f"Measured by `python -m benchmarks.kda_kernels` on {res['device']} ({res['date']}, Triton {res['triton']}),"
-        f" replayed from CUDA graphs: one KDA layer of {res['heads']} heads of K = V = {res['k_dim']} at batch"
-        f" {res['batch']}. vLLM's FP32 KDA decode op: {f32}.",
-        "",
-        "| plan (bits/value) | foreground ms (speed-up) | writeback ms | both in a row ms (speed-up) |"
-        " check: out rel. err, record bytes differing |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for plan, p in res["plans"].items():
         fs = f" ({p['foreground_speedup']:.2f}x)" if "foreground_speedup" in p else ""
         ss = f" ({p['step_speedup']:.2f}x)" if "step_speedup" in p else ""
-        lines.append(f"| {plan} ({p['bits_per_value']:.2f}) | {p['foreground_ms']:.3f}{fs} | {p['writeback_ms']:.3f} |"
-                     f" {p['step_ms']:.3f}{ss} | {p['check']['out_max_rel_err']:.1e},"
-                     f" {p['check']['record_bytes_differing']:.1e} |")
-    return "\n".join(lines) + "\n"
+        rows.append([f"{plan} ({p['bits_per_value']:.2f})", f"{p['foreground_ms']:.3f}{fs}", f"{p['writeback_ms']:.3f}",
+                     f"{p['step_ms']:.3f}{ss}",
+                     f"{p['check']['out_max_rel_err']:.1e}, {p['check']['record_bytes_differing']:.1e}"])
+    return "\n".join([
+        f"Measured by `python -m benchmarks.kda_kernels` on {res['device']} ({res['date']}, Triton {res['triton']}),"
+        f" replayed from CUDA graphs: one KDA layer of {res['heads']} heads of K = V = {res['k_dim']} at batch"
+        f" {res['batch']}. vLLM's FP32 KDA decode op: {f32}.",
+        "", *table(["plan (bits/value)", "foreground ms (speed-up)", "writeback ms", "both in a row ms (speed-up)",
+                    "check: out rel. err, record bytes differing"], rows)]) + "\n"
 
 
 def write_docs(text: str) -> None:
-    doc = DOC.read_text()
-    head, rest = doc.split(BEGIN, 1)
-    DOC.write_text(head + BEGIN + "\n" + text + END + rest.split(END, 1)[1])
-
+    DOC.write_text(splice(DOC.read_text(), BEGIN, BEGIN + "\n" + text + END, END))
 
 if __name__ == "__main__":
     main()

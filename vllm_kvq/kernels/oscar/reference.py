@@ -27,7 +27,7 @@ def clip_rows(x: torch.Tensor, ratio: float) -> torch.Tensor:
         return x
     w = x.shape[-1]
     idx = min(int(ratio * w), w - 1)
-    thr = x.abs().sort(dim=-1).values[..., idx : idx + 1]
+    thr = x.abs().kthvalue(idx + 1, dim=-1, keepdim=True).values  # sorted |x|'s element idx, without a sort
     return torch.minimum(torch.maximum(x, -thr), thr)
 
 
