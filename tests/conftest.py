@@ -85,22 +85,16 @@ def _patch_language_once_per_launch():
 def _numpy_dtypes_once():
     """The interpreter builds its Triton -> numpy dtype table at each of its
     calls (every splat, cast and masked load: ~7% of an interpreted step);
-    the same answers, from one table."""
-    import numpy as np
-    import triton.language as tl
+    the same answers, each looked up once by the type's name."""
     from triton.runtime import interpreter
 
-    build = interpreter._get_np_dtype
-    table = {t: build(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
-                                   tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5,
-                                   tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+    build, known = interpreter._get_np_dtype, {}
 
     def lookup(tt_dtype):
-        if isinstance(tt_dtype, tl.block_type):
-            tt_dtype = tt_dtype.element_ty
-        if isinstance(tt_dtype, tl.pointer_type):
-            return np.dtype(np.uint64)
-        return table[tt_dtype]
+        name = str(tt_dtype)
+        if name not in known:
+            known[name] = build(tt_dtype)
+        return known[name]
 
     interpreter._get_np_dtype = lookup
 
