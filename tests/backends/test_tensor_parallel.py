@@ -17,6 +17,7 @@ in a placement group, ships the pickled config to them, and drives the engine
 loop through its message queues; the ranks talk over gloo.
 """
 
+import contextlib
 import os
 
 import pytest
@@ -31,7 +32,20 @@ pytestmark = pytest.mark.slow
 SHIM = REPO / "tests" / "ray_cpu"
 
 
-@pytest.fixture(scope="module")
+@contextlib.contextmanager
+def served_processes():
+    """Engine cores and workers in their own processes, as served; one
+    intra-op thread a process (Ray's default for its actors)."""
+    env = pytest.MonkeyPatch()
+    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    env.setenv("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        env.undo()
+
+
+@contextlib.contextmanager
 def ray_cluster():
     """A local Ray cluster with one logical GPU slot per rank (the Ray resource
     the shim makes the CPU platform claim), reachable from the engine core
@@ -42,13 +56,11 @@ def ray_cluster():
     paths = [str(SHIM), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.setenv("PYTHONPATH", os.pathsep.join(paths))  # before ray.init: Ray's workers inherit it
     env.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
-    env.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # engine cores in their own processes, as served
-    env.setenv("OMP_NUM_THREADS", "1")  # Ray's default for its actors; the mp workers take the same
     context = ray.init(num_cpus=1, num_gpus=2, include_dashboard=False, log_to_driver=False,
                        object_store_memory=100 << 20)
     env.setenv("RAY_ADDRESS", context.address_info["gcs_address"])
     try:
-        yield ray
+        yield
     finally:
         ray.shutdown()
         env.undo()
@@ -88,12 +100,14 @@ def rank_layers(model) -> dict:
             "states": allocated_state_bytes(model)}
 
 
-def test_oscar_and_state_pool_under_both_executors(ray_cluster, engines, greedy):
+def test_oscar_and_state_pool_under_both_executors(engines, greedy):
     kvq = STEPQUANT_WITH_OSCAR["oscar"]
     prompts = [r["prompt"] for r in needles(max_tokens=1500, limit=6)]
     one = engines(**STEPQUANT_WITH_OSCAR).generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
-    mp_ranks, mp = run_tp2(STEPQUANT_WITH_OSCAR, "mp", prompts, greedy(24, logprobs=2), rank_layers)
-    ray_ranks, ray = run_tp2(STEPQUANT_WITH_OSCAR, "ray", prompts, greedy(24, logprobs=2), rank_layers)
+    with served_processes():
+        mp_ranks, mp = run_tp2(STEPQUANT_WITH_OSCAR, "mp", prompts, greedy(24, logprobs=2), rank_layers)
+        with ray_cluster():  # after the mp engine, whose processes are forked (vLLM's default)
+            ray_ranks, ray = run_tp2(STEPQUANT_WITH_OSCAR, "ray", prompts, greedy(24, logprobs=2), rank_layers)
     assert compare(mp, one, "TP=2 vs TP=1")[0] >= 24
     assert tokens(ray) == tokens(mp)
     art, plan = OscarArtifact.load(kvq["artifact"]), StepQuantPlan.load(kvq["state_artifact"])
