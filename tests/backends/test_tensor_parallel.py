@@ -51,7 +51,8 @@ def ray_cluster():
     the shim makes the CPU platform claim), reachable from the engine core
     through RAY_ADDRESS. Engine cores are spawned, not forked: a fork would
     inherit this process's Ray connection."""
-    ray = pytest.importorskip("ray")
+    import ray
+
     env = pytest.MonkeyPatch()
     paths = [str(SHIM), str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env.setenv("PYTHONPATH", os.pathsep.join(paths))  # before ray.init: Ray's workers inherit it
@@ -101,6 +102,7 @@ def rank_layers(model) -> dict:
 
 
 def test_oscar_and_state_pool_under_both_executors(engines, greedy):
+    pytest.importorskip("ray")
     kvq = STEPQUANT_WITH_OSCAR["oscar"]
     prompts = [r["prompt"] for r in needles(max_tokens=1500, limit=6)]
     one = engines(**STEPQUANT_WITH_OSCAR).generate(prompts, greedy(24, logprobs=2), use_tqdm=False)
