@@ -200,5 +200,6 @@ def render(res: dict) -> str:
 def write_docs(text: str) -> None:
     DOC.write_text(splice(DOC.read_text(), BEGIN, BEGIN + "\n" + text + END, END))
 
+
 if __name__ == "__main__":
     main()
